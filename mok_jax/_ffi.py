@@ -1,0 +1,122 @@
+"""Loads the compiled backends and exposes their FFI targets as JAX functions.
+
+`_mok_cpu` is always built; `_mok_cuda` only where nvcc was found at build
+time. A missing or unloadable CUDA module leaves the CUDA backend unavailable
+(with the reason kept for `mok_jax.info`) and never breaks import.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _mok_cpu
+
+TILE_ROWS = int(_mok_cpu.tile_rows)
+
+for _name, _capsule in _mok_cpu.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+try:
+    from . import _mok_cuda  # noqa: F401
+except ImportError as err:  # not built here, or libcudart/driver missing
+    _mok_cuda = None
+    CUDA_UNAVAILABLE_REASON = f"the CUDA backend could not be imported: {err}"
+else:
+    CUDA_UNAVAILABLE_REASON = None
+    for _name, _capsule in _mok_cuda.registrations().items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+
+def cuda_built() -> bool:
+    return _mok_cuda is not None
+
+
+def cuda_backward_built() -> bool:
+    """The CUDA backward megakernel is a later stage; until it is registered,
+    implementation='cuda' differentiates through the XLA reference."""
+    return _mok_cuda is not None and "mok_experts_bwd_cuda" in _mok_cuda.registrations()
+
+
+def cuda_device_supported() -> bool:
+    """The CUDA kernels are built for sm_90a (Hopper) only."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return False
+    return any(str(getattr(d, "compute_capability", "")).startswith("9.0") for d in devices)
+
+
+def row_capacity(tokens: int, top_k: int, experts: int) -> int:
+    """Static bound on the padded expert-major rows (plan.h Problem::row_capacity)."""
+    rows = tokens * top_k + experts * (TILE_ROWS - 1)
+    return -(-rows // TILE_ROWS) * TILE_ROWS
+
+
+def varying_axes(arrays):
+    axes = set()
+    for a in arrays:
+        mat = getattr(jax.typeof(a), "manual_axis_type", None)
+        if mat is not None:
+            axes |= set(mat.varying)
+    return frozenset(axes)
+
+
+def reconcile_varying(arrays):
+    """Inside shard_map, makes every array vary over the union of the inputs'
+    varying axes (a no-communication pcast whose transpose is a psum), so the
+    FFI results and the custom_vjp cotangents have consistent types."""
+    axes = varying_axes(arrays)
+    if not axes:
+        return list(arrays), axes
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(axes - varying_axes([a])))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return out, axes
+
+
+def _result(shape, dtype, axes):
+    if axes:
+        mat = jax.sharding.ManualAxisType(varying=axes)
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def forward_result_types(x, topk_ids, w_gate, ws_gate, axes):
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E, _, F = w_gate.shape
+    Fs = ws_gate.shape[1]
+    R = row_capacity(T, K, E)
+    i32 = jnp.int32
+    return (
+        _result((T, H), x.dtype, axes),        # y
+        _result((E + 1,), i32, axes),          # expert_offsets
+        _result((R,), i32, axes),              # row_pair
+        _result((T * K,), i32, axes),          # pair_row
+        _result((R, F), x.dtype, axes),        # gate_pre
+        _result((R, F), x.dtype, axes),        # up_pre
+        _result((T, Fs), x.dtype, axes),       # shared_gate_pre
+        _result((T, Fs), x.dtype, axes),       # shared_up_pre
+    )
+
+
+def backward_result_types(x, topk_ids, weights, axes):
+    """dx, d_topk_weights (float32), then one gradient per weight."""
+    return (_result(x.shape, x.dtype, axes), _result(topk_ids.shape, np.float32, axes),
+            *(_result(w.shape, w.dtype, axes) for w in weights))
+
+
+def forward_call(platform, inputs, axes):
+    x, ids, _, _, wg, _, _, wsg, _, _ = inputs
+    types = forward_result_types(x, ids, wg, wsg, axes)
+    return jax.ffi.ffi_call(f"mok_experts_fwd_{platform}", types, vmap_method="sequential")(*inputs)
+
+
+def backward_call(platform, dy, inputs, residuals, axes):
+    x, ids = inputs[0], inputs[1]
+    types = backward_result_types(x, ids, inputs[4:], axes)
+    return jax.ffi.ffi_call(f"mok_experts_bwd_{platform}", types, vmap_method="sequential")(
+        dy, *inputs, *residuals)

@@ -1,0 +1,100 @@
+"""Trace-time argument checks: every error names the argument and what was expected."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+IMPLEMENTATIONS = ("auto", "xla", "cpu", "cuda")
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; expected one of {choices}")
+
+
+def check_rank(name, arr, rank, layout):
+    if arr.ndim != rank:
+        raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {tuple(arr.shape)}")
+
+
+def check_shape(name, arr, shape, layout):
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(
+            f"{name} has shape {tuple(arr.shape)}, expected {tuple(shape)} ({layout})")
+
+
+def check_float(name, arr):
+    if arr.dtype not in [np.dtype(d) for d in FLOAT_DTYPES]:
+        raise TypeError(f"{name} has dtype {arr.dtype}; expected float32 or bfloat16")
+
+
+def check_same_dtype(name, arr, x):
+    if arr.dtype != x.dtype:
+        raise TypeError(
+            f"{name} has dtype {arr.dtype} but x has dtype {x.dtype}; expert weights must "
+            "match x's dtype (cast them, e.g. w.astype(x.dtype))")
+
+
+def check_top_k(top_k, num_experts):
+    if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool):
+        raise TypeError(f"top_k must be a Python int, got {type(top_k).__name__}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, {num_experts}] (the number of experts)")
+
+
+def check_expert_weights(x, w_gate, w_up, w_down):
+    """Returns (E, H, F) after checking the routed experts' shapes against x."""
+    H = x.shape[-1]
+    check_rank("w_gate", w_gate, 3, "[E, H, F]")
+    E, Hg, F = w_gate.shape
+    if Hg != H:
+        raise ValueError(f"w_gate has shape {tuple(w_gate.shape)}; its axis 1 must be H={H} "
+                         "(x's last axis), layout [E, H, F]")
+    check_shape("w_up", w_up, (E, H, F), "[E, H, F], same as w_gate")
+    check_shape("w_down", w_down, (E, F, H), "[E, F, H]")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        check_same_dtype(name, w, x)
+    return E, H, F
+
+
+def normalize_shared(shared_experts, x):
+    """Accepts None, one (ws_gate[H,Fs], ws_up[H,Fs], ws_down[Fs,H]) tuple or a
+    list of them; several shared experts are one expert with their F axes
+    concatenated (their outputs add). Returns a tuple of 3 arrays or None."""
+    if shared_experts is None:
+        return None
+    if len(shared_experts) == 3 and all(hasattr(a, "shape") for a in shared_experts):
+        shared_experts = [shared_experts]
+    H = x.shape[-1]
+    gates, ups, downs = [], [], []
+    for i, se in enumerate(shared_experts):
+        if len(se) != 3:
+            raise ValueError(f"shared_experts[{i}] must be (ws_gate, ws_up, ws_down)")
+        g, u, d = (jnp.asarray(a) for a in se)
+        check_rank(f"shared_experts[{i}][0] (ws_gate)", g, 2, "[H, Fs]")
+        Fs = g.shape[1]
+        check_shape(f"shared_experts[{i}][0] (ws_gate)", g, (H, Fs), "[H, Fs]")
+        check_shape(f"shared_experts[{i}][1] (ws_up)", u, (H, Fs), "[H, Fs]")
+        check_shape(f"shared_experts[{i}][2] (ws_down)", d, (Fs, H), "[Fs, H]")
+        for j, a in enumerate((g, u, d)):
+            check_same_dtype(f"shared_experts[{i}][{j}]", a, x)
+        gates.append(g), ups.append(u), downs.append(d)
+    if not gates:
+        return None
+    if len(gates) == 1:
+        return gates[0], ups[0], downs[0]
+    return (jnp.concatenate(gates, 1), jnp.concatenate(ups, 1), jnp.concatenate(downs, 0))
+
+
+def check_token_mask(token_mask, x):
+    if token_mask is None:
+        return None
+    token_mask = jnp.asarray(token_mask)
+    check_shape("token_mask", token_mask, x.shape[:-1], "x's shape without the last axis H")
+    if token_mask.dtype != jnp.bool_:
+        raise TypeError(f"token_mask has dtype {token_mask.dtype}; expected bool "
+                        "(True = real token, False = padding)")
+    return token_mask

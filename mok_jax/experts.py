@@ -1,0 +1,152 @@
+"""`experts`: steps 3-4 of the layer (expert FFNs + combine) for given routing,
+the level of the megakernel, with one implementation switch."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from . import _ffi
+from . import _validate as V
+from .reference import experts_xla
+
+
+def _empty_shared(x):
+    H = x.shape[1]
+    z = jnp.zeros((H, 0), x.dtype)
+    return z, z, jnp.zeros((0, H), x.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _experts_ffi(platform, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
+    return _forward(platform, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd)[0]
+
+
+def _forward(platform, *inputs):
+    axes = _ffi.varying_axes(inputs)  # experts() reconciled them already
+    y, *residuals = _ffi.forward_call(platform, inputs, axes)
+    return y, (tuple(inputs), tuple(residuals), axes)
+
+
+def _experts_ffi_fwd(platform, *inputs):
+    y, saved = _forward(platform, *inputs)
+    inputs, residuals, _ = saved
+    # The routed outputs are not saved: only x, routing, weights, the schedule
+    # and the gate/up pre-activations (named so remat policies can pick them).
+    residuals = tuple(checkpoint_name(r, "mok_experts_residual")
+                      for r in residuals)
+    return y, (inputs, residuals)
+
+
+def _experts_ffi_bwd(platform, saved, dy):
+    inputs, residuals = saved
+    (dy, *inputs), axes = _ffi.reconcile_varying([dy, *inputs])
+    if platform == "cuda" and not _ffi.cuda_backward_built():
+        # Until the backward megakernel lands: JAX's VJP of the reference.
+        _, vjp = jax.vjp(lambda *a: _xla_flat(*a), *inputs)
+        grads = vjp(dy)
+        dx, _, dw, _, dwg, dwu, dwd, dwsg, dwsu, dwsd = grads
+    else:
+        dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd = _ffi.backward_call(
+            platform, dy, inputs, residuals, axes)
+    return dx, None, dw, None, dwg, dwu, dwd, dwsg, dwsu, dwsd
+
+
+_experts_ffi.defvjp(_experts_ffi_fwd, _experts_ffi_bwd)
+
+
+def _xla_flat(x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
+    shared = None if wsg.shape[1] == 0 else (wsg, wsu, wsd)
+    return experts_xla(x, ids, weights, mask.astype(bool), wg, wu, wd, shared)
+
+
+def resolve_implementation(implementation, dtype):
+    """The concrete backend ("xla", "cpu" or "cuda") for a request."""
+    V.check_choice("implementation", implementation, V.IMPLEMENTATIONS)
+    if implementation == "cuda":
+        if not _ffi.cuda_built():
+            raise ValueError(
+                "implementation='cuda' needs mok_jax's CUDA backend, which is unavailable: "
+                f"{_ffi.CUDA_UNAVAILABLE_REASON}. Rebuild on a machine with nvcc "
+                "(pip install . with MOK_JAX_CUDA=ON), or use implementation='auto'.")
+        if dtype != jnp.bfloat16:
+            raise NotImplementedError(
+                f"implementation='cuda' supports bfloat16 only, got {dtype}; cast x and the "
+                "weights to bfloat16 or use implementation='xla'")
+    if implementation != "auto":
+        return implementation
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return "cpu"
+    if backend in ("gpu", "cuda") and _ffi.cuda_built() and dtype == jnp.bfloat16 \
+            and _ffi.cuda_device_supported():
+        return "cuda"
+    return "xla"
+
+
+def experts(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, shared_experts=None,
+            token_mask=None, implementation="auto"):
+    """Expert FFNs and combine for given routing: steps 3-4 of `moe_layer`.
+
+    Args:
+      x: tokens ``[..., H]`` (float32 or bfloat16); leading axes are flattened.
+      topk_ids: ``[..., K]`` int32 expert ids in ``[0, E)``.
+      topk_weights: ``[..., K]`` combine weights (computed in float32).
+      w_gate, w_up: ``[E, H, F]``; w_down: ``[E, F, H]``, all in x's dtype.
+      shared_experts: None, ``(ws_gate[H, Fs], ws_up[H, Fs], ws_down[Fs, H])``,
+        or a list of such tuples (they add).
+      token_mask: optional bool ``[...]``; False marks padding tokens, which are
+        not dispatched and whose output is exactly zero.
+      implementation: "auto", "xla", "cpu" or "cuda" (see `moe_layer`).
+
+    Returns:
+      ``y[..., H]`` in x's dtype:
+      ``sum_k topk_weights[k] * down_e(silu(x gate_e) * (x up_e)) + shared(x)``.
+
+    Raises:
+      ValueError / TypeError at trace time for bad shapes, dtypes or options;
+      an error naming ``topk_ids`` at run time for ids outside ``[0, E)``.
+    """
+    x = jnp.asarray(x)
+    topk_ids = jnp.asarray(topk_ids)
+    topk_weights = jnp.asarray(topk_weights)
+    V.check_float("x", x)
+    if x.ndim < 1:
+        raise ValueError(f"x must be [..., H], got shape {tuple(x.shape)}")
+    E, H, F = V.check_expert_weights(x, w_gate, w_up, w_down)
+    lead = x.shape[:-1]
+    if topk_ids.ndim != x.ndim or topk_ids.shape[:-1] != lead:
+        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected "
+                         f"{tuple(lead)} + (K,) (x's leading axes, then top_k)")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer dtype")
+    V.check_shape("topk_weights", topk_weights, topk_ids.shape, "same as topk_ids")
+    K = topk_ids.shape[-1]
+    if K < 1:
+        raise ValueError("topk_ids must have at least one expert per token (K >= 1)")
+    token_mask = V.check_token_mask(token_mask, x)
+    shared = V.normalize_shared(shared_experts, x)
+    impl = resolve_implementation(implementation, x.dtype)
+
+    T = 1
+    for d in lead:
+        T *= d
+    x2 = x.reshape(T, H)
+    ids2 = topk_ids.reshape(T, K).astype(jnp.int32)
+    w2 = topk_weights.reshape(T, K).astype(jnp.float32)
+    mask2 = jnp.ones((T,), bool) if token_mask is None else token_mask.reshape(T)
+    if T == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    if impl == "xla":
+        y = experts_xla(x2, ids2, w2, mask2, w_gate, w_up, w_down, shared)
+    else:
+        wsg, wsu, wsd = shared if shared is not None else _empty_shared(x2)
+        # Inside shard_map: make every input vary like the most-varying one
+        # *before* the custom_vjp, so replicated weights get psum'd cotangents.
+        inputs, _ = _ffi.reconcile_varying(
+            [x2, ids2, w2, mask2.astype(jnp.uint8), w_gate, w_up, w_down, wsg, wsu, wsd])
+        y = _experts_ffi(impl, *inputs)
+    return y.reshape(x.shape)
