@@ -77,14 +77,13 @@ def reconcile_varying(arrays):
     return out, axes
 
 
-def _result(shape, dtype, axes):
-    if axes:
-        mat = jax.sharding.ManualAxisType(varying=axes)
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-    return jax.ShapeDtypeStruct(shape, dtype)
+def _result(shape, dtype, like):
+    """A result type that varies over the same shard_map axes as `like` (a
+    bare ShapeDtypeStruct would be typed invariant, which is unsound)."""
+    return jax.typeof(like).update(shape=tuple(shape), dtype=np.dtype(dtype), weak_type=False)
 
 
-def forward_result_types(x, topk_ids, w_gate, ws_gate, axes):
+def forward_result_types(x, topk_ids, w_gate, ws_gate):
     T, H = x.shape
     K = topk_ids.shape[1]
     E, _, F = w_gate.shape
@@ -92,31 +91,33 @@ def forward_result_types(x, topk_ids, w_gate, ws_gate, axes):
     R = row_capacity(T, K, E)
     i32 = jnp.int32
     return (
-        _result((T, H), x.dtype, axes),        # y
-        _result((E + 1,), i32, axes),          # expert_offsets
-        _result((R,), i32, axes),              # row_pair
-        _result((T * K,), i32, axes),          # pair_row
-        _result((R, F), x.dtype, axes),        # gate_pre
-        _result((R, F), x.dtype, axes),        # up_pre
-        _result((T, Fs), x.dtype, axes),       # shared_gate_pre
-        _result((T, Fs), x.dtype, axes),       # shared_up_pre
+        _result((T, H), x.dtype, x),        # y
+        _result((E + 1,), i32, x),          # expert_offsets
+        _result((R,), i32, x),              # row_pair
+        _result((T * K,), i32, x),          # pair_row
+        _result((R, F), x.dtype, x),        # gate_pre
+        _result((R, F), x.dtype, x),        # up_pre
+        _result((T, Fs), x.dtype, x),       # shared_gate_pre
+        _result((T, Fs), x.dtype, x),       # shared_up_pre
     )
 
 
-def backward_result_types(x, topk_ids, weights, axes):
+def backward_result_types(x, topk_ids, weights):
     """dx, d_topk_weights (float32), then one gradient per weight."""
-    return (_result(x.shape, x.dtype, axes), _result(topk_ids.shape, np.float32, axes),
-            *(_result(w.shape, w.dtype, axes) for w in weights))
+    return (_result(x.shape, x.dtype, x), _result(topk_ids.shape, np.float32, x),
+            *(_result(w.shape, w.dtype, x) for w in weights))
 
 
-def forward_call(platform, inputs, axes):
+def forward_call(platform, inputs):
+    """inputs: (x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd), already
+    reconciled (reconcile_varying) when inside shard_map."""
     x, ids, _, _, wg, _, _, wsg, _, _ = inputs
-    types = forward_result_types(x, ids, wg, wsg, axes)
+    types = forward_result_types(x, ids, wg, wsg)
     return jax.ffi.ffi_call(f"mok_experts_fwd_{platform}", types, vmap_method="sequential")(*inputs)
 
 
-def backward_call(platform, dy, inputs, residuals, axes):
+def backward_call(platform, dy, inputs, residuals):
     x, ids = inputs[0], inputs[1]
-    types = backward_result_types(x, ids, inputs[4:], axes)
+    types = backward_result_types(x, ids, inputs[4:])
     return jax.ffi.ffi_call(f"mok_experts_bwd_{platform}", types, vmap_method="sequential")(
         dy, *inputs, *residuals)

@@ -26,14 +26,12 @@ def _experts_ffi(platform, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
 
 
 def _forward(platform, *inputs):
-    axes = _ffi.varying_axes(inputs)  # experts() reconciled them already
-    y, *residuals = _ffi.forward_call(platform, inputs, axes)
-    return y, (tuple(inputs), tuple(residuals), axes)
+    y, *residuals = _ffi.forward_call(platform, inputs)  # experts() reconciled the inputs
+    return y, tuple(residuals)
 
 
 def _experts_ffi_fwd(platform, *inputs):
-    y, saved = _forward(platform, *inputs)
-    inputs, residuals, _ = saved
+    y, residuals = _forward(platform, *inputs)
     # The routed outputs are not saved: only x, routing, weights, the schedule
     # and the gate/up pre-activations (named so remat policies can pick them).
     residuals = tuple(checkpoint_name(r, "mok_experts_residual")
@@ -43,7 +41,7 @@ def _experts_ffi_fwd(platform, *inputs):
 
 def _experts_ffi_bwd(platform, saved, dy):
     inputs, residuals = saved
-    (dy, *inputs), axes = _ffi.reconcile_varying([dy, *inputs])
+    (dy, *inputs), _ = _ffi.reconcile_varying([dy, *inputs])
     if platform == "cuda" and not _ffi.cuda_backward_built():
         # Until the backward megakernel lands: JAX's VJP of the reference.
         _, vjp = jax.vjp(lambda *a: _xla_flat(*a), *inputs)
@@ -51,7 +49,7 @@ def _experts_ffi_bwd(platform, saved, dy):
         dx, _, dw, _, dwg, dwu, dwd, dwsg, dwsu, dwsd = grads
     else:
         dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd = _ffi.backward_call(
-            platform, dy, inputs, residuals, axes)
+            platform, dy, inputs, residuals)
     return dx, None, dw, None, dwg, dwu, dwd, dwsg, dwsu, dwsd
 
 

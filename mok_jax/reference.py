@@ -24,7 +24,7 @@ def _ffn(rows, w_gate, w_up, w_down, group_sizes):
     return jax.lax.ragged_dot(a, w_down, group_sizes, precision=hp, preferred_element_type=f32)
 
 
-def experts_xla(x, topk_ids, topk_weights, token_mask, w_gate, w_up, w_down, shared):
+def _experts_math(x, topk_ids, topk_weights, token_mask, w_gate, w_up, w_down, shared):
     """x[T,H], topk_ids[T,K], topk_weights[T,K] f32, token_mask[T] bool."""
     T, H = x.shape
     K = topk_ids.shape[1]
@@ -46,3 +46,32 @@ def experts_xla(x, topk_ids, topk_weights, token_mask, w_gate, w_up, w_down, sha
     for k in range(K):  # then adds k = 0..K-1 in order
         y = y + jnp.where(token_mask[:, None], w[:, k:k + 1] * out[:, k], 0.0)
     return y.astype(x.dtype)
+
+
+# jax.lax.ragged_dot has no batching rule for batched group sizes, so under
+# vmap the reference runs one batch element at a time (sequential_vmap); its
+# gradient is JAX's own VJP of the same math, also applied per element.
+_forward_seq = jax.custom_batching.sequential_vmap(_experts_math)
+
+
+@jax.custom_batching.sequential_vmap
+def _backward_seq(dy, x, topk_ids, topk_weights, token_mask, w_gate, w_up, w_down, shared):
+    f = lambda x, w, wg, wu, wd, sh: _experts_math(x, topk_ids, w, token_mask, wg, wu, wd, sh)
+    return jax.vjp(f, x, topk_weights, w_gate, w_up, w_down, shared)[1](dy)
+
+
+@jax.custom_vjp
+def experts_xla(x, topk_ids, topk_weights, token_mask, w_gate, w_up, w_down, shared):
+    return _forward_seq(x, topk_ids, topk_weights, token_mask, w_gate, w_up, w_down, shared)
+
+
+def _fwd(*args):
+    return experts_xla(*args), args
+
+
+def _bwd(args, dy):
+    dx, dw, dwg, dwu, dwd, dsh = _backward_seq(dy, *args)
+    return dx, None, dw, None, dwg, dwu, dwd, dsh
+
+
+experts_xla.defvjp(_fwd, _bwd)

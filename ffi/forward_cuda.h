@@ -1,0 +1,55 @@
+// CUDA (Hopper, sm_90a) forward path of mok_jax.
+//
+//   schedule (schedule.cu) -> dispatch (dispatch.cu) -> gate/up grouped wgmma GEMM
+//   with fused SwiGLU epilogue (gemm_wgmma.cu) -> down grouped GEMM -> combine
+//   (combine.cu); the shared expert (Fs > 0) reuses the same GEMMs as one extra
+//   group whose rows are all T tokens.
+//
+// Only DType::kBF16 is supported. All temporaries live in `workspace`
+// (forward_workspace_bytes(problem) bytes, 256-byte aligned). No host sync.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "plan.h"
+
+namespace mok::cuda {
+
+// Bytes of device scratch `forward` needs for this problem.
+size_t forward_workspace_bytes(const Problem& problem);
+
+// Byte offset (inside the workspace) of an int32 status word that `forward`
+// sets on the device: bit 0 = some unmasked token had a top-k id outside
+// [0, E) (that pair was treated as not routed). Reading it needs a copy/sync,
+// which `forward` never does itself.
+size_t forward_workspace_flags_offset(const Problem& problem);
+
+// Optional per-stage timing (for benchmarks): when non-null, `forward` records
+// ev[0] before the schedule, ev[1] after it, ev[2] after dispatch, ev[3] after
+// the gate/up GEMMs, ev[4] after the down GEMMs, ev[5] after combine.
+struct ForwardStageEvents {
+  cudaEvent_t ev[6];
+};
+
+// Runs the forward on `stream`. Returns nullptr on success, else a static
+// error string.
+const char* forward(const Problem& problem, const ForwardArgs& args, void* workspace, cudaStream_t stream,
+                    const ForwardStageEvents* stage_events = nullptr);
+
+namespace detail {
+// Stage launchers (internal; see the .cu files).
+int64_t schedule_slots(const Problem& pr);
+const char* launch_schedule(const Problem& pr, const int32_t* topk_ids, const uint8_t* token_mask,
+                            int32_t* expert_offsets, int32_t* row_pair, int32_t* pair_row, int32_t* hist,
+                            int32_t* counts, int32_t* tile_expert, int32_t* flags, cudaStream_t stream);
+const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row_pair, const int32_t* expert_offsets,
+                            void* xg, int num_sms, cudaStream_t stream);
+const char* launch_combine(const Problem& pr, const uint8_t* token_mask, const int32_t* pair_row,
+                           const float* topk_weights, const void* out, const void* shared_out, void* y, int num_sms,
+                           cudaStream_t stream);
+}  // namespace detail
+
+}  // namespace mok::cuda

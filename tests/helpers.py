@@ -1,0 +1,57 @@
+"""Shared test helpers: fresh random problems and error metrics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SEED = [1000]
+
+
+def fresh_key():
+    """A new key per call: every check sees fresh random inputs."""
+    _SEED[0] += 1
+    return jax.random.key(_SEED[0])
+
+
+def make_problem(T, H, F, E, dtype=jnp.float32, shared_ffn=0, lead=None):
+    ks = jax.random.split(fresh_key(), 8)
+    shape = (T, H) if lead is None else (*lead, H)
+    x = jax.random.normal(ks[0], shape, jnp.float32).astype(dtype)
+    router = jax.random.normal(ks[1], (H, E), jnp.float32) / np.sqrt(H)
+    wg = (jax.random.normal(ks[2], (E, H, F)) / np.sqrt(H)).astype(dtype)
+    wu = (jax.random.normal(ks[3], (E, H, F)) / np.sqrt(H)).astype(dtype)
+    wd = (jax.random.normal(ks[4], (E, F, H)) / np.sqrt(F)).astype(dtype)
+    shared = None
+    if shared_ffn:
+        shared = ((jax.random.normal(ks[5], (H, shared_ffn)) / np.sqrt(H)).astype(dtype),
+                  (jax.random.normal(ks[6], (H, shared_ffn)) / np.sqrt(H)).astype(dtype),
+                  (jax.random.normal(ks[7], (shared_ffn, H)) / np.sqrt(shared_ffn)).astype(dtype))
+    return x, router, wg, wu, wd, shared
+
+
+def rel_l2(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def cosine(a, b):
+    a = np.asarray(a, np.float64).ravel()
+    b = np.asarray(b, np.float64).ravel()
+    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
+
+
+def tolerances(dtype):
+    """(relative L2 bound, cosine bound) per the project standard."""
+    return (1e-2, 0.9999) if dtype == jnp.bfloat16 else (2e-5, 0.99999999)
+
+
+def assert_close(name, got, want, dtype):
+    rel_tol, cos_tol = tolerances(dtype)
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    assert np.all(np.isfinite(got)), f"{name}: non-finite values"
+    r = rel_l2(got, want)
+    assert r <= rel_tol, f"{name}: relative L2 {r:.3g} > {rel_tol}"
+    if np.linalg.norm(np.asarray(want, np.float64)) > 0:
+        c = cosine(got, want)
+        assert c >= cos_tol, f"{name}: cosine {c:.8f} < {cos_tol}"
