@@ -110,10 +110,17 @@ def backward_result_types(x, topk_ids, weights):
 
 def forward_call(platform, inputs):
     """inputs: (x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd), already
-    reconciled (reconcile_varying) when inside shard_map."""
+    reconciled (reconcile_varying) when inside shard_map. Returns y and the
+    7 residuals."""
     x, ids, _, _, wg, _, _, wsg, _, _ = inputs
     types = forward_result_types(x, ids, wg, wsg)
-    return jax.ffi.ffi_call(f"mok_experts_fwd_{platform}", types, vmap_method="sequential")(*inputs)
+    if platform == "cuda":  # the device workspace is one more XLA-owned output
+        T, H = x.shape
+        E, _, F = wg.shape
+        nbytes = _mok_cuda.forward_workspace_bytes(T, H, F, E, ids.shape[1], wsg.shape[1])
+        types = (*types, _result((nbytes,), np.uint8, x))
+    outs = jax.ffi.ffi_call(f"mok_experts_fwd_{platform}", types, vmap_method="sequential")(*inputs)
+    return outs[:8]
 
 
 def backward_call(platform, dy, inputs, residuals):

@@ -1,0 +1,117 @@
+"""GPU tests of the CUDA backend (`pytest -m gpu` on an H100/H200 host).
+
+The float64 NumPy reference judges small shapes; for the benchmark shapes at
+reduced T the judge is the XLA reference on float32-upcast inputs. Output
+poisoning and the schedule tensors are checked by tests/cuda/forward_standalone.cu.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mok_jax
+from mok_jax import _ffi
+import numpy_reference as npref
+from helpers import assert_close, fresh_key, make_problem, rel_l2
+
+pytestmark = pytest.mark.gpu
+BF16 = jnp.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _need_cuda():
+    if jax.default_backend() != "gpu" or not _ffi.cuda_built() or not _ffi.cuda_device_supported():
+        pytest.skip("needs an sm_90 GPU and the CUDA backend")
+
+
+def _cuda(x, ids, w, wg, wu, wd, shared=None, mask=None):
+    return jax.jit(lambda *a: mok_jax.experts(*a, shared_experts=shared, token_mask=mask,
+                                              implementation="cuda"))(x, ids, w, wg, wu, wd)
+
+
+def _f32_reference(x, ids, w, wg, wu, wd, shared=None, mask=None):
+    up = lambda a: a.astype(jnp.float32)
+    sh = None if shared is None else tuple(map(up, shared))
+    return mok_jax.experts(up(x), ids, w, up(wg), up(wu), up(wd), shared_experts=sh,
+                           token_mask=mask, implementation="xla")
+
+
+# (T, H, F, E, K, Fs): small odd shapes for the float64 judge
+SMALL = [(1, 64, 64, 1, 1, 0), (77, 128, 192, 8, 2, 0), (300, 256, 128, 16, 16, 64),
+         (1000, 128, 256, 64, 6, 0), (129, 192, 320, 5, 5, 128)]
+
+
+@pytest.mark.parametrize("case", SMALL, ids=[str(c) for c in SMALL])
+def test_cuda_forward_small_vs_float64(case):
+    T, H, F, E, K, Fs = case
+    x, router, wg, wu, wd, shared = make_problem(T, H, F, E, BF16, Fs)
+    aux = mok_jax.route(x, router, top_k=K)
+    y = _cuda(x, aux.topk_ids, aux.topk_weights, wg, wu, wd, shared)
+    want = npref.experts(np.asarray(x.astype(jnp.float32)), np.asarray(aux.topk_ids),
+                         np.asarray(aux.topk_weights), np.asarray(wg.astype(jnp.float32)),
+                         np.asarray(wu.astype(jnp.float32)), np.asarray(wd.astype(jnp.float32)),
+                         None if shared is None else [np.asarray(a.astype(jnp.float32))
+                                                      for a in shared])
+    assert_close("y", y, want, BF16)
+
+
+# The benchmark shapes at reduced T (T not a multiple of the 128-row tile).
+BENCH = [(2047, 2048, 768, 128, 8), (1031, 4096, 1024, 128, 8), (513, 7168, 2048, 32, 8),
+         (1029, 4096, 14336, 8, 2)]
+
+
+@pytest.mark.parametrize("case", BENCH, ids=[str(c) for c in BENCH])
+def test_cuda_forward_benchmark_shapes(case):
+    T, H, F, E, K = case
+    x, router, wg, wu, wd, _ = make_problem(T, H, F, E, BF16)
+    aux = mok_jax.route(x, router, top_k=K)
+    y = _cuda(x, aux.topk_ids, aux.topk_weights, wg, wu, wd)
+    want = _f32_reference(x, aux.topk_ids, aux.topk_weights, wg, wu, wd)
+    assert_close("y", y, np.asarray(want, np.float64), BF16)
+    y2 = _cuda(x, aux.topk_ids, aux.topk_weights, wg, wu, wd)
+    np.testing.assert_array_equal(np.asarray(y.view(jnp.uint16)), np.asarray(y2.view(jnp.uint16)))
+
+
+@pytest.mark.parametrize("kind", ["one_expert", "empty_experts", "k_equals_e", "masked", "shared"])
+def test_cuda_forward_edge_cases(kind):
+    T, H, F, E, K = 1500, 256, 384, 16, 4
+    x, router, wg, wu, wd, shared = make_problem(T, H, F, E, BF16, 128)
+    ids = jax.random.randint(fresh_key(), (T, K), 0, E)
+    mask = None
+    if kind == "one_expert":
+        ids = jnp.full((T, K), 7, jnp.int32)
+    elif kind == "empty_experts":
+        ids = ids % 3
+    elif kind == "k_equals_e":
+        K = E
+        ids = jnp.tile(jnp.arange(E, dtype=jnp.int32), (T, 1))
+    elif kind == "masked":
+        mask = jax.random.bernoulli(fresh_key(), 0.5, (T,))
+    if kind != "shared":
+        shared = None
+    w = jax.random.uniform(fresh_key(), (T, K))
+    y = _cuda(x, ids, w, wg, wu, wd, shared, mask)
+    want = _f32_reference(x, ids, w, wg, wu, wd, shared, mask)
+    assert_close("y", y, np.asarray(want, np.float64), BF16)
+    if mask is not None:
+        assert np.all(np.asarray(y.astype(jnp.float32))[~np.asarray(mask)] == 0)
+
+
+def test_cuda_layer_gradients_through_the_xla_backward():
+    x, router, wg, wu, wd, _ = make_problem(1000, 256, 384, 16, BF16)
+
+    def loss(impl):
+        f = lambda *a: jnp.sum(mok_jax.moe_layer(*a, top_k=4, implementation=impl)[0]
+                               .astype(jnp.float32) ** 2)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(x, router, wg, wu, wd)
+
+    for g, r in zip(loss("cuda"), loss("xla")):
+        assert_close("grad", g, np.asarray(r.astype(jnp.float32), np.float64), BF16)
+
+
+def test_auto_picks_cuda_for_bf16():
+    x, router, wg, wu, wd, _ = make_problem(64, 64, 64, 4, BF16)
+    hlo = jax.jit(lambda *a: mok_jax.moe_layer(*a, top_k=2)[0]).lower(
+        x, router, wg, wu, wd).as_text()
+    assert "mok_experts_fwd_cuda" in hlo
