@@ -1,7 +1,6 @@
-// XLA FFI targets of the CPU backend, exported to Python as capsules by the
-// nanobind module `_mok_cpu`.
-#include <nanobind/nanobind.h>
-
+// XLA FFI targets of the CPU backend: plain C symbols (XLA_FFI_Error*(CallFrame*)),
+// exported to Python as capsules by module_cpu.cc, or loaded with ctypes from
+// the Bazel-built shared library.
 #include "ffi_args.h"
 #include "forward_cpu.h"
 
@@ -32,13 +31,3 @@ ffi::Error BackwardCpu(Buf dy, Buf x, Buf ids, Buf w, Buf mask, Buf wg, Buf wu, 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MokExpertsFwdCpu, mok::ForwardCpu, mok::BindForward(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MokExpertsBwdCpu, mok::BackwardCpu, mok::BindBackward(xla::ffi::Ffi::Bind()));
-
-NB_MODULE(_mok_cpu, m) {
-  m.def("registrations", []() {
-    nanobind::dict d;
-    d["mok_experts_fwd_cpu"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsFwdCpu));
-    d["mok_experts_bwd_cpu"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsBwdCpu));
-    return d;
-  });
-  m.attr("tile_rows") = mok::kTileRows;
-}
