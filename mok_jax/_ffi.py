@@ -11,7 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _mok_cpu
+try:
+    from . import _mok_cpu
+except ImportError as err:
+    raise ImportError(
+        "mok_jax's compiled CPU module (_mok_cpu) was not found next to "
+        f"{__file__}. Importing the source tree without a build? Install with "
+        "`pip install -e .` (the README's command), which maps the package to its "
+        "build; a non-editable install is shadowed when run from the repository root."
+    ) from err
 
 TILE_ROWS = int(_mok_cpu.tile_rows)
 
