@@ -138,13 +138,16 @@ def experts(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, shared_experts=N
     mask2 = jnp.ones((T,), bool) if token_mask is None else token_mask.reshape(T)
     if T == 0:
         return jnp.zeros(x.shape, x.dtype)
+    with jax.named_scope(f"mok_experts_{impl}"):
+        return _run(impl, x2, ids2, w2, mask2, w_gate, w_up, w_down, shared).reshape(x.shape)
+
+
+def _run(impl, x2, ids2, w2, mask2, w_gate, w_up, w_down, shared):
     if impl == "xla":
-        y = experts_xla(x2, ids2, w2, mask2, w_gate, w_up, w_down, shared)
-    else:
-        wsg, wsu, wsd = shared if shared is not None else _empty_shared(x2)
-        # Inside shard_map: make every input vary like the most-varying one
-        # *before* the custom_vjp, so replicated weights get psum'd cotangents.
-        inputs, _ = _ffi.reconcile_varying(
-            [x2, ids2, w2, mask2.astype(jnp.uint8), w_gate, w_up, w_down, wsg, wsu, wsd])
-        y = _experts_ffi(impl, *inputs)
-    return y.reshape(x.shape)
+        return experts_xla(x2, ids2, w2, mask2, w_gate, w_up, w_down, shared)
+    wsg, wsu, wsd = shared if shared is not None else _empty_shared(x2)
+    # Inside shard_map: make every input vary like the most-varying one
+    # *before* the custom_vjp, so replicated weights get psum'd cotangents.
+    inputs, _ = _ffi.reconcile_varying(
+        [x2, ids2, w2, mask2.astype(jnp.uint8), w_gate, w_up, w_down, wsg, wsu, wsd])
+    return _experts_ffi(impl, *inputs)

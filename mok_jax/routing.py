@@ -64,6 +64,15 @@ def route(x, router_kernel, *, top_k, score_func="softmax", normalize_topk=True,
         V.check_shape("router_bias", router_bias, (E,), "[E]")
     token_mask = V.check_token_mask(token_mask, x)
 
+    with jax.named_scope("mok_route"):
+        return _route(x, router_kernel, top_k, score_func, normalize_topk, router_bias,
+                      routed_scaling_factor, token_mask)
+
+
+def _route(x, router_kernel, top_k, score_func, normalize_topk, router_bias,
+           routed_scaling_factor, token_mask):
+    H = x.shape[-1]
+    E = router_kernel.shape[1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, H).astype(jnp.float32)
     logits = jnp.dot(x2, router_kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
