@@ -47,6 +47,18 @@ def cuda_backward_built() -> bool:
     return _mok_cuda is not None and "mok_experts_bwd_cuda" in _mok_cuda.registrations()
 
 
+def cuda_unsupported_reason(dtype, H, F, Fs, K):
+    """Why the CUDA kernels cannot take this problem (None when they can)."""
+    if np.dtype(dtype) != jnp.bfloat16:
+        return f"the CUDA backend supports bfloat16 only, got {np.dtype(dtype).name}"
+    for name, v in (("H", H), ("F", F), ("Fs", Fs)):
+        if v % 8:
+            return f"the CUDA backend needs {name} to be a multiple of 8 (16-byte rows), got {v}"
+    if K > 64:
+        return f"the CUDA backend supports top_k <= 64, got {K}"
+    return None
+
+
 def cuda_device_supported() -> bool:
     """The CUDA kernels are built for sm_90a (Hopper) only."""
     try:

@@ -61,25 +61,30 @@ def _xla_flat(x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
     return experts_xla(x, ids, weights, mask.astype(bool), wg, wu, wd, shared)
 
 
-def resolve_implementation(implementation, dtype):
-    """The concrete backend ("xla", "cpu" or "cuda") for a request."""
+def resolve_implementation(implementation, dtype, dims=None):
+    """The concrete backend ("xla", "cpu" or "cuda") for a request.
+
+    dims: (H, F, Fs, K) of the problem, for the CUDA backend's shape limits;
+    None checks the dtype only."""
     V.check_choice("implementation", implementation, V.IMPLEMENTATIONS)
+    H, F, Fs, K = dims if dims is not None else (8, 8, 0, 1)
+    cuda_reason = _ffi.cuda_unsupported_reason(dtype, H, F, Fs, K)
     if implementation == "cuda":
         if not _ffi.cuda_built():
             raise ValueError(
                 "implementation='cuda' needs mok_jax's CUDA backend, which is unavailable: "
                 f"{_ffi.CUDA_UNAVAILABLE_REASON}. Rebuild on a machine with nvcc "
-                "(pip install . with MOK_JAX_CUDA=ON), or use implementation='auto'.")
-        if dtype != jnp.bfloat16:
+                "(pip install -e . with MOK_JAX_CUDA=ON), or use implementation='auto'.")
+        if cuda_reason:
             raise NotImplementedError(
-                f"implementation='cuda' supports bfloat16 only, got {dtype}; cast x and the "
-                "weights to bfloat16 or use implementation='xla'")
+                f"implementation='cuda': {cuda_reason}; use implementation='auto' (falls back "
+                "to 'xla') or 'xla'")
     if implementation != "auto":
         return implementation
     backend = jax.default_backend()
     if backend == "cpu":
         return "cpu"
-    if backend in ("gpu", "cuda") and _ffi.cuda_built() and dtype == jnp.bfloat16 \
+    if backend in ("gpu", "cuda") and _ffi.cuda_built() and cuda_reason is None \
             and _ffi.cuda_device_supported():
         return "cuda"
     return "xla"
@@ -127,7 +132,8 @@ def experts(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, shared_experts=N
         raise ValueError("topk_ids must have at least one expert per token (K >= 1)")
     token_mask = V.check_token_mask(token_mask, x)
     shared = V.normalize_shared(shared_experts, x)
-    impl = resolve_implementation(implementation, x.dtype)
+    Fs = 0 if shared is None else shared[0].shape[1]
+    impl = resolve_implementation(implementation, x.dtype, (H, F, Fs, K))
 
     T = 1
     for d in lead:

@@ -85,6 +85,15 @@ def test_cuda_rejects_float32(prob):
         _layer(prob, implementation="cuda")
 
 
+def test_cuda_shape_limits_are_clear_errors():
+    from mok_jax import _ffi
+    if not _ffi.cuda_built():
+        pytest.skip("CUDA backend not built")
+    x, router, wg, wu, wd, _ = make_problem(16, 12, 16, 4, jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="H to be a multiple of 8"):
+        mok_jax.moe_layer(x, router, wg, wu, wd, top_k=2, implementation="cuda")
+
+
 def test_auto_on_cpu_uses_the_cpu_kernel(prob):
     x, router, wg, wu, wd, _ = prob
     hlo = jax.jit(lambda *a: mok_jax.moe_layer(*a, top_k=2)[0]).lower(

@@ -1,0 +1,439 @@
+// Grouped wgmma GEMM (see gemm_wgmma.cuh).
+#include "gemm_wgmma.cuh"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+
+#include "cuda_ptx.cuh"
+
+namespace mok::cuda {
+namespace {
+
+constexpr int kBM = 128;             // CTA rows (2 consumer WGs x 64)
+constexpr int kBN = 256;             // wgmma N per consumer WG
+constexpr int kBK = 64;              // K per stage (128 B of bf16: one swizzle row)
+constexpr int kStages = 4;
+constexpr int kABytes = kBM * kBK * 2;   // 16 KB
+constexpr int kBBytes = kBK * kBN * 2;   // 32 KB (4 chunks of 64 N x 64 K)
+constexpr int kBChunk = kBK * 64 * 2;    // 8 KB
+constexpr int kStageBytes = kABytes + kBBytes;
+// Epilogue staging: each consumer warp owns 16 rows x 64 bf16 columns (+16 B pad
+// per row: conflict-free 4-byte writes and 16-byte reads), flushed with
+// coalesced 16-byte global stores.
+constexpr int kStgPitch = 64 * 2 + 16;
+constexpr int kStgWarpBytes = 16 * kStgPitch;
+constexpr int kSmemBytes =
+    kStages * kStageBytes + 1024 /*align slack*/ + 256 /*barriers*/ + 8 * kStgWarpBytes /*epilogue staging*/;
+constexpr int kThreads = 384;
+constexpr int kConsumerWarps = 8;
+
+struct KParams {
+  int m_rows;
+  int n;
+  int k_blocks;
+  int n_tiles;
+  int m_tiles;
+  const int32_t* tile_group;
+  const uint8_t* row_mask;
+  __nv_bfloat16* out0;
+  __nv_bfloat16* out1;
+  __nv_bfloat16* out2;
+  int zero_unused;
+};
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float silu_mul(float g, float u) {
+  return g * (1.0f / (1.0f + __expf(-g))) * u;
+}
+
+// kCluster = 1: one CTA per 128-row tile.
+// kCluster = 2: clusters of 2 CTAs on adjacent 128-row tiles (2i, 2i+1) and the
+// same N tile. When both tiles use the same weight group (the common case: rows
+// are expert-major), each CTA loads half of the B stage and multicasts it to
+// both, so the pair reads B once from L2. If one tile of the pair is unused, it
+// borrows its partner's group and computes throw-away results, which keeps the
+// two pipelines in lock-step; if the groups differ, each CTA loads its own B.
+// The empty barrier of each stage then counts the consumer warps of both CTAs.
+template <bool kFused, int kCluster>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b0,
+                        const __grid_constant__ CUtensorMap tm_b1, const KParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty_bar = full_bar + kStages;
+
+  const int wg = threadIdx.x / 128;
+  const uint32_t crank = kCluster > 1 ? ptx::cluster_ctarank() : 0;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(&full_bar[s], 1);
+      ptx::mbar_init(&empty_bar[s], kConsumerWarps * kCluster);
+    }
+    ptx::fence_barrier_init();
+  }
+  if (kCluster > 1) {
+    ptx::cluster_sync();
+  } else {
+    __syncthreads();
+  }
+
+  const int cid = blockIdx.x / kCluster;
+  const int ncl = gridDim.x / kCluster;
+  const int m_units = (p.m_tiles + kCluster - 1) / kCluster;
+  const int num_units = m_units * p.n_tiles;
+  auto group_of = [&](int mt) -> int {
+    if (mt >= p.m_tiles) return -1;
+    return p.tile_group ? p.tile_group[mt] : 0;
+  };
+
+  if (wg == 0) {
+    // ------------------------------------------------------------ producer
+    ptx::setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) {
+      ptx::tma_prefetch_desc(&tm_a);
+      ptx::tma_prefetch_desc(&tm_b0);
+      if (kFused) ptx::tma_prefetch_desc(&tm_b1);
+      uint32_t it = 0;
+      for (int u = cid; u < num_units; u += ncl) {
+        const int mu = u / p.n_tiles;
+        const int nt = u - mu * p.n_tiles;
+        const int mt = mu * kCluster + static_cast<int>(crank);
+        const int g_self = group_of(mt);
+        const int g_peer = kCluster > 1 ? group_of(mu * kCluster + static_cast<int>(crank ^ 1)) : -1;
+        if (g_self < 0 && g_peer < 0) continue;
+        const int grp = g_self >= 0 ? g_self : g_peer;
+        const int grp_peer = g_peer >= 0 ? g_peer : g_self;
+        const bool mcast = kCluster > 1 && grp == grp_peer;
+        for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
+          const uint32_t s = it % kStages;
+          const uint32_t par = (it / kStages) & 1;
+          ptx::mbar_wait(&empty_bar[s], par ^ 1);
+          uint8_t* sa = smem + s * kStageBytes;
+          uint8_t* sb = sa + kABytes;
+          ptx::mbar_arrive_expect_tx(&full_bar[s], kStageBytes);
+          ptx::tma_load_2d(sa, &tm_a, kb * kBK, mt * kBM, &full_bar[s]);
+          // B chunk j (8 KB): 64 N columns x 64 K rows.
+          auto load_b = [&](int j, bool multicast) {
+            const CUtensorMap* map = (kFused && j >= 2) ? &tm_b1 : &tm_b0;
+            const int ncol = kFused ? nt * 128 + (j & 1) * 64 : nt * 256 + j * 64;
+            if (multicast)
+              ptx::tma_load_3d_multicast(sb + j * kBChunk, map, ncol, kb * kBK, grp, &full_bar[s],
+                                         static_cast<uint16_t>((1u << kCluster) - 1));
+            else
+              ptx::tma_load_3d(sb + j * kBChunk, map, ncol, kb * kBK, grp, &full_bar[s]);
+          };
+          if (mcast) {
+            load_b(2 * crank, true);
+            load_b(2 * crank + 1, true);
+          } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) load_b(j, false);
+          }
+        }
+      }
+    }
+  } else {
+    // ------------------------------------------------------------ consumers
+    ptx::setmaxnreg_inc<232>();
+    const int cw = wg - 1;
+    const int warp = (threadIdx.x / 32) & 3;
+    const int lane = threadIdx.x & 31;
+    uint8_t* stg = smem + kStages * kStageBytes + 256 + (cw * 4 + warp) * kStgWarpBytes;
+    auto release = [&](uint32_t s) {
+      if (lane == 0) {
+        ptx::mbar_arrive(&empty_bar[s]);
+        if (kCluster > 1) ptx::mbar_arrive_cluster(ptx::map_to_rank(ptx::smem_u32(&empty_bar[s]), crank ^ 1));
+      }
+    };
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    uint32_t it = 0;
+    for (int u = cid; u < num_units; u += ncl) {
+      const int mu = u / p.n_tiles;
+      const int nt = u - mu * p.n_tiles;
+      const int mt = mu * kCluster + static_cast<int>(crank);
+      const int g_self = group_of(mt);
+      const int g_peer = kCluster > 1 ? group_of(mu * kCluster + static_cast<int>(crank ^ 1)) : -1;
+      const int row0 = mt * kBM + cw * 64 + warp * 16 + (lane >> 2);
+      const int colq = (lane & 3) * 2;
+      if (g_self < 0 && g_peer < 0) {  // no loads, no math
+        if (p.zero_unused) {
+          const int n_base = nt * (kFused ? 128 : 256);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = row0 + h * 8;
+            if (row >= p.m_rows) continue;
+            const size_t rbase = static_cast<size_t>(row) * p.n;
+#pragma unroll
+            for (int g = 0; g < (kFused ? 16 : 32); ++g) {
+              const int col = n_base + g * 8 + colq;
+              if (col >= p.n) continue;
+              *reinterpret_cast<uint32_t*>(p.out0 + rbase + col) = 0u;
+              if (kFused) {
+                *reinterpret_cast<uint32_t*>(p.out1 + rbase + col) = 0u;
+                *reinterpret_cast<uint32_t*>(p.out2 + rbase + col) = 0u;
+              }
+            }
+          }
+        }
+        continue;
+      }
+      uint32_t prev_s = 0;
+      for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
+        const uint32_t s = it % kStages;
+        const uint32_t par = (it / kStages) & 1;
+        ptx::mbar_wait(&full_bar[s], par);
+        const uint32_t a_base = ptx::smem_u32(smem + s * kStageBytes) + cw * (64 * 128);
+        const uint32_t b_base = ptx::smem_u32(smem + s * kStageBytes + kABytes);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          const uint64_t da = ptx::make_smem_desc_sw128(a_base + kk * 32, 16, 1024);
+          const uint64_t db = ptx::make_smem_desc_sw128(b_base + kk * 2048, kBChunk, 1024);
+          ptx::wgmma_m64n256k16_bf16<1>(acc, da, db, (kb | kk) != 0);
+        }
+        ptx::wgmma_commit();
+        if (kb > 0) {
+          ptx::wgmma_wait<1>();
+          release(prev_s);
+        }
+        prev_s = s;
+      }
+      ptx::wgmma_wait<0>();
+      release(prev_s);
+#pragma unroll
+      for (int i = 0; i < 128; ++i) ptx::fence_operand(acc[i]);
+
+      // ---------------------------------------------------------- epilogue
+      const bool unused = g_self < 0;  // computed only to keep the pair in lock-step
+      if (unused && !p.zero_unused) continue;
+      const int wrow0 = mt * kBM + cw * 64 + warp * 16;  // first row of this warp
+      bool keep[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + h * 8;
+        keep[h] = !unused && row < p.m_rows && (p.row_mask == nullptr || p.row_mask[row] != 0);
+      }
+      // Registers -> staging (one 16x64 chunk: 8 column groups), then coalesced stores.
+      auto put = [&](int gg, int h, float v0, float v1) {
+        *reinterpret_cast<uint32_t*>(stg + ((lane >> 2) + h * 8) * kStgPitch + gg * 16 + (lane & 3) * 4) =
+            keep[h] ? pack_bf16x2(v0, v1) : 0u;
+      };
+      auto flush = [&](__nv_bfloat16* out, int col0) {
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int idx = lane + 32 * i;
+          const int r = idx >> 3, c = idx & 7;
+          const int row = wrow0 + r, col = col0 + c * 8;
+          const uint4 v = *reinterpret_cast<const uint4*>(stg + r * kStgPitch + c * 16);
+          if (row < p.m_rows && col < p.n) *reinterpret_cast<uint4*>(out + static_cast<size_t>(row) * p.n + col) = v;
+        }
+        __syncwarp();
+      };
+      if (kFused) {
+        const int n_base = nt * 128;
+#pragma unroll
+        for (int ch = 0; ch < 2; ++ch) {
+#pragma unroll
+          for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int i = (ch * 8 + gg) * 4 + h * 2;
+              put(gg, h, acc[i], acc[i + 1]);
+            }
+          flush(p.out0, n_base + ch * 64);
+#pragma unroll
+          for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int i = 64 + (ch * 8 + gg) * 4 + h * 2;
+              put(gg, h, acc[i], acc[i + 1]);
+            }
+          flush(p.out1, n_base + ch * 64);
+#pragma unroll
+          for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int i = (ch * 8 + gg) * 4 + h * 2;
+              put(gg, h, silu_mul(acc[i], acc[64 + i]), silu_mul(acc[i + 1], acc[64 + i + 1]));
+            }
+          flush(p.out2, n_base + ch * 64);
+        }
+      } else {
+        const int n_base = nt * 256;
+#pragma unroll
+        for (int ch = 0; ch < 4; ++ch) {
+#pragma unroll
+          for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int i = (ch * 8 + gg) * 4 + h * 2;
+              put(gg, h, acc[i], acc[i + 1]);
+            }
+          flush(p.out0, n_base + ch * 64);
+        }
+      }
+    }
+  }
+  // No CTA of a cluster may exit while its partner can still arrive on its
+  // barriers or multicast into its shared memory.
+  if (kCluster > 1) {
+    __syncwarp();
+    ptx::cluster_sync();
+  }
+}
+
+// ------------------------------------------------------------------ host side
+PFN_cuTensorMapEncodeTiled_v12000 g_encode = nullptr;
+std::once_flag g_encode_once;
+
+PFN_cuTensorMapEncodeTiled_v12000 get_encoder() {
+  std::call_once(g_encode_once, [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) ==
+            cudaSuccess &&
+        q == cudaDriverEntryPointSuccess) {
+      g_encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }
+  });
+  return g_encode;
+}
+
+bool make_map_a(CUtensorMap* m, const void* ptr, int64_t rows, int64_t k) {
+  cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(k) * 2};
+  cuuint32_t box[2] = {kBK, kBM};
+  cuuint32_t estr[2] = {1, 1};
+  return get_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
+                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool make_map_b(CUtensorMap* m, const void* ptr, int64_t groups, int64_t k, int64_t n) {
+  cuuint64_t dims[3] = {static_cast<cuuint64_t>(n), static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(groups)};
+  cuuint64_t strides[2] = {static_cast<cuuint64_t>(n) * 2, static_cast<cuuint64_t>(k) * n * 2};
+  cuuint32_t box[3] = {64, kBK, 1};
+  cuuint32_t estr[3] = {1, 1, 1};
+  return get_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(ptr), dims, strides, box, estr,
+                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+
+// Cluster size of the GEMM launches: 1 unless MOK_CUDA_GEMM_CLUSTER=2 (B multicast
+// across CTA pairs: correct, but measured slower on H200, see the report).
+int gemm_cluster_size() {
+  static const int v = [] {
+    const char* e = std::getenv("MOK_CUDA_GEMM_CLUSTER");
+    return (e != nullptr && std::atoi(e) == 2) ? 2 : 1;
+  }();
+  return v;
+}
+
+template <bool kFused, int kCluster>
+const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, const CUtensorMap& tm_b1,
+                          const KParams& p, int num_sms, cudaStream_t stream) {
+  auto* kern = grouped_gemm_kernel<kFused, kCluster>;
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+    return "mok cuda gemm: cudaFuncSetAttribute failed";
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = kCluster > 1 ? 1 : 0;
+  // Persistent grid: as many clusters as can be resident at once (queried once
+  // per kernel; assumes one device type per process), at most one per unit.
+  static std::atomic<int> max_clusters{-1};
+  if (max_clusters.load() < 0) {
+    int n = 0;
+    cfg.gridDim = dim3(kCluster * std::max(1, num_sms / kCluster), 1, 1);
+    if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess || n <= 0) {
+      (void)cudaGetLastError();
+      n = std::max(1, num_sms / kCluster);
+    }
+    max_clusters.store(n);
+  }
+  const int64_t units = int64_t((p.m_tiles + kCluster - 1) / kCluster) * p.n_tiles;
+  if (units <= 0) return nullptr;
+  const int clusters = static_cast<int>(std::min<int64_t>(units, max_clusters.load()));
+  cfg.gridDim = dim3(clusters * kCluster, 1, 1);
+  if (cudaLaunchKernelEx(&cfg, kern, tm_a, tm_b0, tm_b1, p) != cudaSuccess)
+    return "mok cuda gemm: kernel launch failed";
+  if (cudaGetLastError() != cudaSuccess) return "mok cuda gemm: kernel launch failed";
+  return nullptr;
+}
+
+}  // namespace
+
+int grouped_gemm_smem_bytes() { return kSmemBytes; }
+
+const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int num_sms, cudaStream_t stream) {
+  const bool fused = epi == GemmEpilogue::kGateUpSwiGLU;
+  if (a.m_rows <= 0) return nullptr;  // nothing to do
+  if (a.k <= 0 || a.n <= 0 || a.k % 8 != 0 || a.n % 8 != 0) return "mok cuda gemm: k and n must be positive multiples of 8";
+  if (a.m_rows > (int64_t(1) << 31) - kBM || a.k > (int64_t(1) << 31) || a.n > (int64_t(1) << 31) ||
+      a.groups > (int64_t(1) << 31))
+    return "mok cuda gemm: dimension too large";
+  if (!aligned16(a.a) || !aligned16(a.b0) || !aligned16(a.out0) ||
+      (fused && (!aligned16(a.b1) || !aligned16(a.out1) || !aligned16(a.out2))))
+    return "mok cuda gemm: pointers must be 16-byte aligned";
+  if (get_encoder() == nullptr) return "mok cuda gemm: cuTensorMapEncodeTiled unavailable";
+
+  CUtensorMap tm_a, tm_b0, tm_b1;
+  if (!make_map_a(&tm_a, a.a, a.m_rows, a.k)) return "mok cuda gemm: tensor map (A) encode failed";
+  if (!make_map_b(&tm_b0, a.b0, a.groups, a.k, a.n)) return "mok cuda gemm: tensor map (B0) encode failed";
+  if (fused) {
+    if (!make_map_b(&tm_b1, a.b1, a.groups, a.k, a.n)) return "mok cuda gemm: tensor map (B1) encode failed";
+  } else {
+    tm_b1 = tm_b0;
+  }
+
+  KParams p;
+  p.m_rows = static_cast<int>(a.m_rows);
+  p.n = static_cast<int>(a.n);
+  p.k_blocks = static_cast<int>((a.k + kBK - 1) / kBK);
+  const int64_t tile_n = fused ? 128 : 256;
+  const int64_t n_tiles = (a.n + tile_n - 1) / tile_n;
+  const int64_t m_tiles = (a.m_rows + kBM - 1) / kBM;
+  if (n_tiles * m_tiles > (int64_t(1) << 31) - 1) return "mok cuda gemm: too many tiles";
+  p.n_tiles = static_cast<int>(n_tiles);
+  p.m_tiles = static_cast<int>(m_tiles);
+  p.tile_group = a.tile_group;
+  p.row_mask = a.row_mask;
+  p.out0 = static_cast<__nv_bfloat16*>(a.out0);
+  p.out1 = static_cast<__nv_bfloat16*>(a.out1);
+  p.out2 = static_cast<__nv_bfloat16*>(a.out2);
+  p.zero_unused = a.zero_unused_tiles ? 1 : 0;
+
+  const int cluster = gemm_cluster_size();
+  if (fused) {
+    if (cluster == 2) return launch_kernel<true, 2>(tm_a, tm_b0, tm_b1, p, num_sms, stream);
+    return launch_kernel<true, 1>(tm_a, tm_b0, tm_b1, p, num_sms, stream);
+  }
+  if (cluster == 2) return launch_kernel<false, 2>(tm_a, tm_b0, tm_b1, p, num_sms, stream);
+  return launch_kernel<false, 1>(tm_a, tm_b0, tm_b1, p, num_sms, stream);
+}
+
+}  // namespace mok::cuda

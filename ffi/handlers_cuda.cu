@@ -1,0 +1,79 @@
+// XLA FFI targets of the CUDA backend, exported as capsules by the nanobind
+// module `_mok_cuda`. The forward's device workspace is one more XLA output
+// (uint8[forward_workspace_bytes]) rather than a per-call allocation: XLA
+// places it at compile time, and its lifetime covers the stream-ordered work.
+#include <cstdlib>
+#include <string>
+
+#include <cuda_runtime.h>
+#include <nanobind/nanobind.h>
+
+#include "ffi_args.h"
+#include "forward_cuda.h"
+
+namespace mok {
+namespace {
+
+// MOK_JAX_CHECK_IDS=1: after each forward, wait for the stream and turn the
+// device's "id outside [0, E)" flag into an error naming topk_ids. Off by
+// default because it synchronises the host with the GPU on every call.
+bool check_ids_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOK_JAX_CHECK_IDS");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+ffi::Error ForwardCuda(cudaStream_t stream, Buf x, Buf ids, Buf w, Buf mask, Buf wg, Buf wu,
+                       Buf wd, Buf wsg, Buf wsu, Buf wsd, Ret y, Ret offsets, Ret row_pair,
+                       Ret pair_row, Ret gate_pre, Ret up_pre, Ret sgate_pre, Ret sup_pre,
+                       Ret workspace) {
+  return run_forward(
+      Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd}, y, offsets, row_pair, pair_row,
+      gate_pre, up_pre, sgate_pre, sup_pre,
+      [&](const Problem& p, const ForwardArgs& a) -> std::string {
+        if (p.dtype != DType::kBF16) return "the CUDA backend supports bfloat16 only";
+        const size_t need = cuda::forward_workspace_bytes(p);
+        if (workspace->size_bytes() < need)
+          return "workspace has " + std::to_string(workspace->size_bytes()) + " bytes, needs " +
+                 std::to_string(need);
+        void* ws = workspace->untyped_data();
+        if (const char* err = cuda::forward(p, a, ws, stream)) return err;
+        if (!check_ids_enabled()) return {};
+        int32_t flags = 0;
+        const char* base = static_cast<const char*>(ws);
+        if (cudaMemcpyAsync(&flags, base + cuda::forward_workspace_flags_offset(p), sizeof(flags),
+                            cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+            cudaStreamSynchronize(stream) != cudaSuccess)
+          return std::string("reading the id-check flag failed: ") +
+                 cudaGetErrorString(cudaGetLastError());
+        if (flags & 1)
+          return "topk_ids holds an expert id outside [0, " + std::to_string(p.experts) +
+                 "): expert ids must index w_gate's first axis";
+        return {};
+      });
+}
+
+}  // namespace
+}  // namespace mok
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokExpertsFwdCuda, mok::ForwardCuda,
+    mok::BindForward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
+        .Ret<mok::Buf>());  // + workspace
+
+NB_MODULE(_mok_cuda, m) {
+  m.def("registrations", []() {
+    nanobind::dict d;
+    d["mok_experts_fwd_cuda"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsFwdCuda));
+    return d;
+  });
+  m.def("forward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K,
+                                      int64_t Fs) {
+    mok::Problem p;
+    p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
+    p.dtype = mok::DType::kBF16;
+    return mok::cuda::forward_workspace_bytes(p);
+  });
+}
