@@ -15,7 +15,7 @@ step() {  # step NAME CMD...: runs CMD, logs to $out/NAME.log, records pass/fail
   return $rc
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "$out/gpu.txt" 2>&1
-step build pip install --no-build-isolation --no-deps -e . || { cat "$out/build.log" | tail -40; exit 1; }
+step build python3 -m pip install --no-build-isolation --no-deps -e . || { cat "$out/build.log" | tail -40; exit 1; }
 so=$(python3 -c "import mok_jax._mok_cuda as m; print(m.__file__)")
 echo "HGMMA in _mok_cuda: $(cuobjdump --dump-sass "$so" | grep -c HGMMA)" > "$out/sass.txt"
 step gpu_tests python3 -m pytest -m gpu -q -x tests/test_gpu.py
