@@ -10,3 +10,15 @@ from .routing import MoEAux, route
 
 __version__ = "0.1.0"
 __all__ = ["moe_layer", "route", "experts", "MoEAux", "cuda_built", "__version__"]
+
+# Flax modules and the weight converters load on first access
+# (`mok_jax.nnx`, `mok_jax.linen`, `mok_jax.convert`, `mok_jax.info`), so that
+# `import mok_jax` never imports flax.
+_LAZY_SUBMODULES = ("nnx", "linen", "convert", "info")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
