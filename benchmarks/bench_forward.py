@@ -2,7 +2,7 @@
 
 For each shape (T, H, F, E, k), bf16, random router: times mok_jax's CUDA
 forward (`experts`, the megakernel's level, routing precomputed), the
-project's own "xla" path (jax.lax.ragged_dot), and torch._grouped_mm with the
+project's own "xla" path (the pure-JAX reference), and torch._grouped_mm with the
 same routing when torch is importable; plus a dense bf16 8192^3 matmul (the
 ceiling) through JAX and torch. Reports useful TFLOP/s (6*T*k*H*F), ms
 (median of --iters after --warmup) and peak device memory; writes JSON and
@@ -20,127 +20,17 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares th
 import argparse
 import datetime
 import json
-import subprocess
 import sys
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-import mok_jax
-
-SHAPES = {
-    1: ("qwen3-30b-a3b", 32768, 2048, 768, 128, 8),
-    2: ("sonic-4096", 32768, 4096, 1024, 128, 8),
-    3: ("dsv3-ep8-slice", 4096, 7168, 2048, 32, 8),
-    4: ("mixtral-8x7b", 8192, 4096, 14336, 8, 2),
-}
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def median_ms(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(ts))
-
-
-def jax_peak_bytes():
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
-
-
-def problem(T, H, F, E, K, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 5)
-    bf = jnp.bfloat16
-    x = jax.random.normal(ks[0], (T, H), jnp.float32).astype(bf)
-    router = jax.random.normal(ks[1], (H, E), jnp.float32) / np.sqrt(H)
-    wg = (jax.random.normal(ks[2], (E, H, F)) / np.sqrt(H)).astype(bf)
-    wu = (jax.random.normal(ks[3], (E, H, F)) / np.sqrt(H)).astype(bf)
-    wd = (jax.random.normal(ks[4], (E, F, H)) / np.sqrt(F)).astype(bf)
-    aux = jax.jit(lambda x, r: mok_jax.route(x, r, top_k=K))(x, router)
-    return x, aux.topk_ids, aux.topk_weights, wg, wu, wd
-
-
-def bench_jax(impl, data, warmup, iters):
-    f = jax.jit(lambda *a: mok_jax.experts(*a, implementation=impl))
-    run = lambda: jax.block_until_ready(f(*data))
-    y = run()
-    return median_ms(run, warmup, iters), y
-
-
-def bench_dense_jax(warmup, iters, n=8192):
-    a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32).astype(jnp.bfloat16)
-    f = jax.jit(lambda a, b: a @ b)
-    ms = median_ms(lambda: jax.block_until_ready(f(a, b)), warmup, iters)
-    return 2 * n ** 3 / ms / 1e9
-
-
-def torch_peers(data, warmup, iters):
-    """torch._grouped_mm forward with the same routing, and the dense ceiling."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    dev = "cuda"
-    # Same device buffers, no host round trip (JAX arrays speak DLPack).
-    x, ids, w, wg, wu, wd = (torch.from_dlpack(a) for a in data)
-    ids = ids.long()
-    T, K = ids.shape
-    E = wg.shape[0]
-
-    def forward():
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=E)
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        xs = x[order // K]
-        g = torch._grouped_mm(xs, wg, offs=offs)
-        u = torch._grouped_mm(xs, wu, offs=offs)
-        a = torch.nn.functional.silu(g) * u
-        o = torch._grouped_mm(a, wd, offs=offs)
-        out = torch.empty_like(o)
-        out[order] = o
-        return (out.view(T, K, -1).float() * w.view(T, K, 1)).sum(1).to(torch.bfloat16)
-
-    def timed(fn):
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e))
-        return float(np.median(ts))
-
-    torch.cuda.reset_peak_memory_stats()
-    y = forward()
-    ms = timed(forward)
-    peak = torch.cuda.max_memory_allocated()
-    n = 8192
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    dense = 2 * n ** 3 / timed(lambda: a @ b) / 1e9
-    return {"ms": ms, "peak_bytes": peak, "dense_tflops": dense,
-            "y": y.float().cpu().numpy(), "version": torch.__version__}
-
-
-def git_commit():
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                                       text=True).strip()
-    except Exception:
-        return "unknown"
+try:  # python -m benchmarks.bench_forward
+    from .common import (HERE, SHAPES, bench_dense_jax, bench_jax, git_commit,  # noqa: F401
+                         jax_peak_bytes, median_ms, problem, torch_peers)
+except ImportError:  # python benchmarks/bench_forward.py
+    from common import (HERE, SHAPES, bench_dense_jax, bench_jax, git_commit,  # noqa: F401
+                        jax_peak_bytes, median_ms, problem, torch_peers)
 
 
 def main():
@@ -148,7 +38,7 @@ def main():
     p.add_argument("--shapes", default="1,2,3,4")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--xla-iters", type=int, default=3, help="the ragged_dot path is slow")
+    p.add_argument("--xla-iters", type=int, default=3, help="the pure-JAX path is slow")
     p.add_argument("--no-xla", action="store_true")
     p.add_argument("--json", default=os.path.join(HERE, "results", "forward_latest.json"))
     p.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")

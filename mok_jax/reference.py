@@ -1,77 +1,83 @@
 """The pure-JAX ("xla") experts: dropless, differentiable by JAX, the oracle
 the FFI backends are tested against. It follows the same precision contract:
 fp32 accumulation, the SwiGLU activation stored in x's dtype before the down
-projection, fp32 combine in fixed k order, output in x's dtype."""
+projection, fp32 combine in fixed k order (shared expert first), output in
+x's dtype.
+
+It uses the kernels' layout: expert segments padded to 128-row tiles, and a
+loop over groups of tiles, each a small dense matmul against its expert's
+weights. (`jax.lax.ragged_dot` would be the natural op, but on GPUs it lowers
+to a dense [rows, E, ...] expansion that runs out of memory at real MoE
+shapes, forward and backward.) Plain JAX ops throughout, so `grad` and
+`vmap` work as usual.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+TILE = 128        # rows per tile (plan.h kTileRows)
+TILES_PER_STEP = 8  # tiles per loop step: bounds the gathered weights to 8 experts
 
-def _ffn(rows, w_gate, w_up, w_down, group_sizes):
-    """SwiGLU FFN of expert-sorted rows through jax.lax.ragged_dot."""
-    hp = jax.lax.Precision.HIGHEST
-    f32 = jnp.float32
-    if group_sizes is None:  # one dense expert (the shared expert)
-        g = jnp.dot(rows, w_gate, precision=hp, preferred_element_type=f32)
-        u = jnp.dot(rows, w_up, precision=hp, preferred_element_type=f32)
-        a = (jax.nn.silu(g) * u).astype(rows.dtype)
-        return jnp.dot(a, w_down, precision=hp, preferred_element_type=f32)
-    g = jax.lax.ragged_dot(rows, w_gate, group_sizes, precision=hp, preferred_element_type=f32)
-    u = jax.lax.ragged_dot(rows, w_up, group_sizes, precision=hp, preferred_element_type=f32)
+
+def _tile_matmul(tiles, w, tile_expert):
+    """tiles [n, TILE, K] @ w[tile_expert] ([E, K, N]) -> [n, TILE, N] in fp32."""
+    def one(args):
+        xt, e = args
+        return jnp.dot(xt, w[e], precision=jax.lax.Precision.HIGHEST,
+                       preferred_element_type=jnp.float32)
+    return jax.lax.map(one, (tiles, tile_expert), batch_size=TILES_PER_STEP)
+
+
+def _swiglu_ffn(rows, w_gate, w_up, w_down, matmul):
+    g = matmul(rows, w_gate)
+    u = matmul(rows, w_up)
     a = (jax.nn.silu(g) * u).astype(rows.dtype)
-    return jax.lax.ragged_dot(a, w_down, group_sizes, precision=hp, preferred_element_type=f32)
+    return matmul(a, w_down)
 
 
-def _experts_math(x, topk_ids, topk_weights, token_mask, w_gate, w_up, w_down, shared):
+def _padded_layout(key, E, R):
+    """Row of each pair in the expert-major layout padded to TILE rows, and the
+    expert of each tile (tiles past the last segment get expert 0, zero rows)."""
+    counts = jnp.bincount(key, length=E)
+    padded = (counts + TILE - 1) // TILE * TILE
+    start = jnp.cumsum(padded) - padded
+    order = jnp.argsort(key, stable=True)
+    rank = jnp.zeros_like(key).at[order].set(jnp.arange(key.shape[0], dtype=key.dtype))
+    first = jnp.cumsum(counts) - counts  # rank of each expert's first pair
+    row = start[key] + rank - first[key]
+    tile_start = jnp.arange(R // TILE, dtype=jnp.int32) * TILE
+    tile_expert = jnp.clip(jnp.searchsorted(start + padded, tile_start, side="right"), 0, E - 1)
+    return row, tile_expert
+
+
+def experts_xla(x, topk_ids, topk_weights, token_mask, w_gate, w_up, w_down, shared):
     """x[T,H], topk_ids[T,K], topk_weights[T,K] f32, token_mask[T] bool."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E = w_gate.shape[0]
+    R = -(-(T * K + E * (TILE - 1)) // TILE) * TILE
     valid = jnp.repeat(token_mask, K)
     # Masked pairs ride along in the last expert with zero rows (silu(0)*0 = 0)
     # and are excluded again in the combine.
     key = jnp.where(valid, topk_ids.reshape(-1), E - 1).astype(jnp.int32)
-    order = jnp.argsort(key, stable=True)
-    group_sizes = jnp.bincount(key, length=E).astype(jnp.int32)
-    rows = jnp.where(valid[order][:, None], x[order // K], jnp.zeros((), x.dtype))
-    out_sorted = _ffn(rows, w_gate, w_up, w_down, group_sizes)
-    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(T, K, H)
+    row, tile_expert = _padded_layout(key, E, R)
+    src = jnp.where(valid[:, None], jnp.repeat(x, K, axis=0), jnp.zeros((), x.dtype))
+    rows = jnp.zeros((R, H), x.dtype).at[row].set(src, unique_indices=True)
+
+    def grouped(r, w):
+        n = r.shape[-1]
+        return _tile_matmul(r.reshape(-1, TILE, n), w, tile_expert).reshape(R, -1)
+
+    out = _swiglu_ffn(rows, w_gate, w_up, w_down, grouped)[row].reshape(T, K, H)
     w = jnp.where(token_mask[:, None], topk_weights.astype(jnp.float32), 0.0)
     y = jnp.zeros((T, H), jnp.float32)
     if shared is not None:  # the kernels' accumulator starts from the shared expert
         xs = jnp.where(token_mask[:, None], x, jnp.zeros((), x.dtype))
-        y = jnp.where(token_mask[:, None], _ffn(xs, *shared, None), 0.0)
+        dense = lambda r, w: jnp.dot(r, w, precision=jax.lax.Precision.HIGHEST,
+                                     preferred_element_type=jnp.float32)
+        y = jnp.where(token_mask[:, None], _swiglu_ffn(xs, *shared, dense), 0.0)
     for k in range(K):  # then adds k = 0..K-1 in order
         y = y + jnp.where(token_mask[:, None], w[:, k:k + 1] * out[:, k], 0.0)
     return y.astype(x.dtype)
-
-
-# jax.lax.ragged_dot has no batching rule for batched group sizes, so under
-# vmap the reference runs one batch element at a time (sequential_vmap); its
-# gradient is JAX's own VJP of the same math, also applied per element.
-_forward_seq = jax.custom_batching.sequential_vmap(_experts_math)
-
-
-@jax.custom_batching.sequential_vmap
-def _backward_seq(dy, x, topk_ids, topk_weights, token_mask, w_gate, w_up, w_down, shared):
-    f = lambda x, w, wg, wu, wd, sh: _experts_math(x, topk_ids, w, token_mask, wg, wu, wd, sh)
-    return jax.vjp(f, x, topk_weights, w_gate, w_up, w_down, shared)[1](dy)
-
-
-@jax.custom_vjp
-def experts_xla(x, topk_ids, topk_weights, token_mask, w_gate, w_up, w_down, shared):
-    return _forward_seq(x, topk_ids, topk_weights, token_mask, w_gate, w_up, w_down, shared)
-
-
-def _fwd(*args):
-    return experts_xla(*args), args
-
-
-def _bwd(args, dy):
-    dx, dw, dwg, dwu, dwd, dsh = _backward_seq(dy, *args)
-    return dx, None, dw, None, dwg, dwu, dwd, dsh
-
-
-experts_xla.defvjp(_fwd, _bwd)
