@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "
 step build python3 -m pip install --no-build-isolation --no-deps -e . || { cat "$out/build.log" | tail -40; exit 1; }
 so=$(python3 -c "import mok_jax._mok_cuda as m; print(m.__file__)")
 echo "HGMMA in _mok_cuda: $(cuobjdump --dump-sass "$so" | grep -c HGMMA)" > "$out/sass.txt"
-step gpu_tests python3 -m pytest -m gpu -q -x tests/test_gpu.py
+step gpu_tests python3 -m pytest -m gpu -q -x tests/test_gpu.py ${GPU_TESTS:+-k "$GPU_TESTS"}
 step demo python3 -m mok_jax.demo
 step bench python3 benchmarks/bench_forward.py --iters "${BENCH_ITERS:-20}" --json "$out/forward.json"
 cp benchmarks/RESULTS.md "$out/RESULTS.md"

@@ -1,0 +1,170 @@
+"""Helpers shared by the benchmark scripts (`bench_forward.py`, `run.py`):
+the issue-3 shapes, timing, problem generation, the dense-matmul ceiling and
+the torch ``_grouped_mm`` peer.
+
+Useful FLOPs: 6*T*k*H*F per forward (three GEMMs of 2*T*k*H*F), the backward
+2x that, forward+backward 3x.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import mok_jax
+
+SHAPES = {
+    1: ("qwen3-30b-a3b", 32768, 2048, 768, 128, 8),
+    2: ("sonic-4096", 32768, 4096, 1024, 128, 8),
+    3: ("dsv3-ep8-slice", 4096, 7168, 2048, 32, 8),
+    4: ("mixtral-8x7b", 8192, 4096, 14336, 8, 2),
+}
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+#: Useful-FLOP multiple of one forward, per pass.
+PASS_FLOP_FACTOR = {"fwd": 1, "bwd": 2, "fwd+bwd": 3}
+
+
+def useful_flops(T, H, F, K, pass_="fwd"):
+    """6*T*k*H*F for the forward, x2 for the backward, x3 for forward+backward."""
+    return 6 * T * K * H * F * PASS_FLOP_FACTOR[pass_]
+
+
+def median_ms(fn, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(ts))
+
+
+def jax_peak_bytes():
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def weights(T, H, F, E, dtype=jnp.bfloat16, seed=0):
+    """x[T,H], a float32 router[H,E] and expert weights, scaled so y is O(1)."""
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (T, H), jnp.float32).astype(dtype)
+    router = jax.random.normal(ks[1], (H, E), jnp.float32) / np.sqrt(H)
+    wg = (jax.random.normal(ks[2], (E, H, F)) / np.sqrt(H)).astype(dtype)
+    wu = (jax.random.normal(ks[3], (E, H, F)) / np.sqrt(H)).astype(dtype)
+    wd = (jax.random.normal(ks[4], (E, F, H)) / np.sqrt(F)).astype(dtype)
+    return x, router, wg, wu, wd
+
+
+def problem(T, H, F, E, K, seed=0, dtype=jnp.bfloat16):
+    """(x, topk_ids, topk_weights, w_gate, w_up, w_down) with a random router's routing."""
+    x, router, wg, wu, wd = weights(T, H, F, E, dtype, seed)
+    aux = jax.jit(lambda x, r: mok_jax.route(x, r, top_k=K))(x, router)
+    return x, aux.topk_ids, aux.topk_weights, wg, wu, wd
+
+
+def bench_jax(impl, data, warmup, iters):
+    f = jax.jit(lambda *a: mok_jax.experts(*a, implementation=impl))
+    run = lambda: jax.block_until_ready(f(*data))
+    y = run()
+    return median_ms(run, warmup, iters), y
+
+
+def bench_dense_jax(warmup, iters, n=8192, dtype=jnp.bfloat16):
+    """TFLOP/s of a dense n^3 matmul through JAX (the ceiling)."""
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32).astype(dtype)
+    f = jax.jit(lambda a, b: a @ b)
+    ms = median_ms(lambda: jax.block_until_ready(f(a, b)), warmup, iters)
+    return 2 * n ** 3 / ms / 1e9
+
+
+def torch_available():
+    """torch with a CUDA device (the `_grouped_mm` peer needs one)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available()) and hasattr(torch, "_grouped_mm")
+
+
+def torch_problem(data):
+    """The JAX problem (x, ids, w, wg, wu, wd) as torch tensors on the same device
+    buffers, no host round trip (JAX arrays speak DLPack)."""
+    import torch
+    x, ids, w, wg, wu, wd = (torch.from_dlpack(a) for a in data)
+    return x, ids.long(), w, wg, wu, wd
+
+
+def torch_moe_forward(x, ids, w, wg, wu, wd):
+    """torch._grouped_mm MoE forward with the given routing (gather/scatter included)."""
+    import torch
+    T, K = ids.shape
+    E = wg.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x[order // K]
+    g = torch._grouped_mm(xs, wg, offs=offs)
+    u = torch._grouped_mm(xs, wu, offs=offs)
+    a = torch.nn.functional.silu(g) * u
+    o = torch._grouped_mm(a, wd, offs=offs)
+    out = torch.empty_like(o)
+    out[order] = o
+    return (out.view(T, K, -1).float() * w.view(T, K, 1)).sum(1).to(torch.bfloat16)
+
+
+def torch_timed(fn, warmup, iters):
+    """Median ms of fn() with CUDA events."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    return float(np.median(ts))
+
+
+def torch_dense_tflops(warmup, iters, n=8192):
+    import torch
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n ** 3 / torch_timed(lambda: a @ b, warmup, iters) / 1e9
+
+
+def torch_peers(data, warmup, iters):
+    """torch._grouped_mm forward with the same routing, and the dense ceiling."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    tensors = torch_problem(data)
+    forward = lambda: torch_moe_forward(*tensors)
+    torch.cuda.reset_peak_memory_stats()
+    y = forward()
+    ms = torch_timed(forward, warmup, iters)
+    peak = torch.cuda.max_memory_allocated()
+    dense = torch_dense_tflops(warmup, iters)
+    return {"ms": ms, "peak_bytes": peak, "dense_tflops": dense,
+            "y": y.float().cpu().numpy(), "version": torch.__version__}
+
+
+def git_commit():
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+                                       text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
