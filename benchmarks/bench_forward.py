@@ -33,6 +33,11 @@ except ImportError:  # python benchmarks/bench_forward.py
                         jax_peak_bytes, median_ms, problem, torch_peers)
 
 
+def rel_l2(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default="1,2,3,4")
