@@ -119,7 +119,7 @@ class MoELM(nnx.Module):
         self.norm = nnx.RMSNorm(d, dtype=dt, param_dtype=jnp.float32, rngs=rngs)
 
     def __call__(self, tokens):
-        x = self.embed(tokens) + self.pos[...][: tokens.shape[1]].astype(self.embed.dtype)
+        x = self.embed(tokens) + mnnx._get(self.pos)[: tokens.shape[1]].astype(self.embed.dtype)
         for blk in self.blocks:
             x = blk(x)
         return self.embed.attend(self.norm(x)).astype(jnp.float32)  # tied output head
@@ -232,7 +232,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop (and checkpoint) at this step, as if interrupted; --resume continues")
-    p.add_argument("--moe-share", action="store_true", help="measure the MoE layers' share of a step")
+    p.add_argument("--moe-share", action="store_true",
+                   help="measure the MoE layers' share of a step (always on with --config gpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the run summary here")
     return p.parse_args(argv)
@@ -318,7 +319,7 @@ def main(argv=None, out=sys.stdout):
     summary = {"config": name, "cfg": cfg, "start_step": start, "steps": cfg["steps"],
                "losses": losses, "val_losses": vals, "tokens_per_s": tps,
                "final_load": [np.asarray(c).tolist() for c in mnnx.expert_load(model)]}
-    if args.moe_share and step_ms:
+    if (args.moe_share or name == "gpu") and step_ms:
         moe_ms, share = measure_moe_share(model, cfg, step_ms)
         log(f"MoE layers fwd+bwd: {moe_ms:.2f} ms of a {step_ms:.2f} ms step ({100 * share:.0f}%)")
         summary.update(moe_ms=moe_ms, step_ms=step_ms, moe_share=share)

@@ -45,17 +45,17 @@ def test_routing_generator_controls_the_load():
 
 def test_tiny_cpu_run_writes_json_table_and_plots(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, RUN, "--shapes", "96x16x32x4x2,64x16x24x4x1", "--impls", "cpu,xla",
+    cmd = [sys.executable, RUN, "--shapes", "96x16x32x4x2", "--impls", "cpu,xla",
            "--passes", "fwd,bwd,fwd+bwd", "--sweep", "uniform,zipf,all-to-one",
            "--iters", "2", "--warmup", "1", "--xla-iters", "2", "--out", str(tmp_path),
            "--tag", "test"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "12/30" in proc.stdout, "progress lines"  # (2 shapes + 3 sweeps) x 2 impls x 3 passes
+    assert "12/24" in proc.stdout, "progress lines"  # (1 shape + 3 sweeps) x 2 impls x 3 passes
     data = json.loads((tmp_path / "test_latest.json").read_text())
     meta, rows = data["meta"], data["rows"]
     assert meta["backend"] == "cpu" and meta["dense_tflops"]["jax"] > 0
-    assert len(rows) == 30
+    assert len(rows) == 24
     for r in rows:
         assert "error" not in r, r
         mult = {"fwd": 1, "bwd": 2, "fwd+bwd": 3}[r["pass"]]
@@ -64,7 +64,7 @@ def test_tiny_cpu_run_writes_json_table_and_plots(tmp_path):
     sweep = {r["routing"]: r["imbalance"] for r in rows if r["routing"] != "router"}
     assert sweep["all-to-one"] == pytest.approx(2.0)  # E/k = 4/2
     checked = [r for r in rows if "rel_l2_vs_xla" in r]
-    assert len(checked) == 2 and all(r["rel_l2_vs_xla"] < 1e-5 for r in checked)
+    assert len(checked) == 1 and all(r["rel_l2_vs_xla"] < 1e-5 for r in checked)
     assert "| shape | routing |" in proc.stdout
     try:
         import matplotlib  # noqa: F401
