@@ -44,3 +44,11 @@ def test_module_runs_as_a_script():
     text = subprocess.run([sys.executable, "-m", "mok_jax.info"], capture_output=True, text=True,
                           env=env, timeout=120, check=True).stdout
     assert "CUDA path:" in text and "jax " in text
+
+
+def test_import_mok_jax_does_not_import_flax():
+    code = ("import sys, mok_jax; assert 'flax' not in sys.modules, 'flax imported eagerly'; "
+            "m = mok_jax.nnx; assert 'flax' in sys.modules and m.MoE.__name__ == 'MoE'; "
+            "assert mok_jax.convert.experts_from_hf and mok_jax.info.collect")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", code], env=env, timeout=120, check=True)
