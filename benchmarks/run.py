@@ -8,7 +8,7 @@ expert-load (imbalance) sweeps, with JSON output and PNG plots.
 Shapes (``--shapes``, comma-separated): an issue-3 GPU shape id (1-4, see
 ``common.SHAPES``), a CPU preset (``cpu-s``, ``cpu-m``), or ``TxHxFxExK``.
 Implementations (``--impls``): ``cpu`` / ``cuda`` (mok_jax's FFI kernels),
-``xla`` (mok_jax's pure-JAX ragged_dot path), ``auto``, ``torch``
+``xla`` (mok_jax's pure-JAX reference), ``auto``, ``torch``
 (``torch._grouped_mm`` with the same routing, GPU only, when importable).
 
 Timed at `mok_jax.experts` level (routing precomputed, so the load can be
@@ -385,7 +385,7 @@ def main(argv=None):
                    help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--xla-iters", type=int, default=3, help="the ragged_dot path is slow on GPU")
+    p.add_argument("--xla-iters", type=int, default=3, help="the pure-JAX reference is slow on GPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--tag", default=None, help="file prefix (default: cpu or gpu)")
