@@ -22,3 +22,8 @@ def __getattr__(name):
         import importlib
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+# Expert parallelism at the `experts` level (moe_layer takes mesh=/axis_name=).
+from .parallel import experts_parallel  # noqa: E402
+
+__all__.append("experts_parallel")

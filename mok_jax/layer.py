@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from . import parallel
 from .experts import experts
 from .routing import route
 
 
 def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="softmax",
               normalize_topk=True, router_bias=None, routed_scaling_factor=1.0,
-              shared_experts=None, token_mask=None, implementation="auto"):
+              shared_experts=None, token_mask=None, implementation="auto", mesh=None,
+              expert_axis=None, token_axes=None, dispatch="auto", axis_name=None):
     """A dropless mixture-of-experts SwiGLU layer.
 
     ``y = sum_k w_k * down_e(silu(x @ gate_e) * (x @ up_e)) + shared(x)`` over the
@@ -29,15 +31,88 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
         dispatched, their output is exactly zero and they count in no aux value.
       implementation: "xla" (pure JAX reference), "cpu" (the C++ FFI kernels),
         "cuda" (the Hopper megakernel, bfloat16), or "auto" (the FFI kernel of
-        the default backend where one applies, else "xla").
+        the default backend where one applies, else "xla"). With a mesh, the
+        per-rank kernel: "auto" is "cpu" on CPU devices, "cuda" on Hopper GPUs.
+      mesh: optional `jax.sharding.Mesh` for expert parallelism (global arrays):
+        w_gate/w_up/w_down are split along E over ``expert_axis``, tokens along
+        T over ``token_axes``; router_kernel, router_bias and shared_experts are
+        replicated. The routing itself runs outside the expert shard_map, on the
+        global arrays, so aux values are global. See `mok_jax.parallel`.
+      expert_axis: the mesh axis the experts are split over (required with mesh);
+        E must be a multiple of its size.
+      token_axes: mesh axes the tokens are split over (default: expert_axis, then
+        the mesh's other axes); must include expert_axis; T must divide evenly.
+      dispatch: "collective" (XLA all_to_all rounds around the local kernel),
+        "peer" (in-kernel pull through peer pointers: not implemented yet,
+        raises NotImplementedError), or "auto" (= "collective" for now).
+      axis_name: inside your own shard_map: the expert axis. Then w_* are this
+        rank's ``[E/EP, ...]`` block (expert e on rank e // (E/EP)),
+        router_kernel is the full ``[H, E]``, x holds this rank's tokens, and
+        the aux values are this rank's (reduce them yourself).
 
     Returns:
       ``(y, aux)``: y in x's shape and dtype; aux a `MoEAux`.
+
+    Raises:
+      ValueError for a bad mesh (expert_axis missing, E or T not divisible);
+      NotImplementedError for dispatch="peer".
     """
+    if mesh is not None or axis_name is not None:
+        return _moe_layer_parallel(
+            x, router_kernel, w_gate, w_up, w_down, top_k=top_k, score_func=score_func,
+            normalize_topk=normalize_topk, router_bias=router_bias,
+            routed_scaling_factor=routed_scaling_factor, shared_experts=shared_experts,
+            token_mask=token_mask, implementation=implementation, mesh=mesh,
+            expert_axis=expert_axis, token_axes=token_axes, dispatch=dispatch,
+            axis_name=axis_name)
+    if expert_axis is not None or token_axes is not None:
+        raise ValueError("expert_axis= and token_axes= need mesh= (or use axis_name= "
+                         "inside your own shard_map)")
+    parallel.check_dispatch(dispatch)
     aux = route(x, router_kernel, top_k=top_k, score_func=score_func,
                 normalize_topk=normalize_topk, router_bias=router_bias,
                 routed_scaling_factor=routed_scaling_factor, token_mask=token_mask)
     y = experts(x, aux.topk_ids, aux.topk_weights, w_gate, w_up, w_down,
                 shared_experts=shared_experts, token_mask=token_mask,
                 implementation=implementation)
+    return y, aux
+
+
+def _moe_layer_parallel(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func,
+                        normalize_topk, router_bias, routed_scaling_factor, shared_experts,
+                        token_mask, implementation, mesh, expert_axis, token_axes, dispatch,
+                        axis_name):
+    import jax
+    import jax.numpy as jnp
+    parallel.check_dispatch(dispatch)
+    if mesh is not None and axis_name is not None:
+        raise ValueError("give mesh= (global arrays) or axis_name= (inside your own "
+                         "shard_map), not both")
+    router_kernel = jnp.asarray(router_kernel)
+    w_gate = jnp.asarray(w_gate)
+    E_router = router_kernel.shape[-1] if router_kernel.ndim == 2 else None
+    if w_gate.ndim == 3 and E_router is not None:
+        if mesh is not None and w_gate.shape[0] != E_router:
+            raise ValueError(f"w_gate has E={w_gate.shape[0]} experts but router_kernel has "
+                             f"{E_router}; with mesh= pass the global [E, H, F] weights")
+        if axis_name is not None:
+            ep = int(jax.lax.axis_size(axis_name))
+            if w_gate.shape[0] * ep != E_router:
+                raise ValueError(
+                    f"inside shard_map, w_gate must be this rank's block of E/EP experts: "
+                    f"router_kernel has E={E_router}, axis {axis_name!r} has size {ep}, "
+                    f"so w_gate should have {E_router / ep:g} experts, got {w_gate.shape[0]}")
+    if mesh is not None:  # fail on the mesh before any routing work
+        axis, _, ep = parallel.mesh_axes(mesh, expert_axis, token_axes)
+        if E_router is not None and E_router % ep:
+            raise ValueError(f"w_gate has E={E_router} experts, which does not divide evenly "
+                             f"over expert_axis={axis!r} of size {ep}")
+    aux = route(x, router_kernel, top_k=top_k, score_func=score_func,
+                normalize_topk=normalize_topk, router_bias=router_bias,
+                routed_scaling_factor=routed_scaling_factor, token_mask=token_mask)
+    y = parallel.experts_parallel(
+        x, aux.topk_ids, aux.topk_weights, w_gate, w_up, w_down, mesh=mesh,
+        expert_axis=expert_axis, token_axes=token_axes, axis_name=axis_name,
+        shared_experts=shared_experts, token_mask=token_mask,
+        implementation=implementation, dispatch=dispatch)
     return y, aux

@@ -1,0 +1,487 @@
+"""Expert parallelism (EP): the MoE layer with its experts sharded over a mesh axis.
+
+Two entry points, both reached through `mok_jax.moe_layer`:
+
+* ``mesh=`` (global arrays): `jax.custom_vjp` outside, one `jax.shard_map` in
+  the forward and one in the backward (``../shared/reference/jax_ffi.md``
+  §4.1). Expert weights are split along E over ``expert_axis``, tokens along
+  T over ``token_axes``, router and shared experts replicated.
+* ``axis_name=`` (inside the caller's own `shard_map`): the same per-rank
+  forward/backward under a `jax.custom_vjp`, with every input first cast to
+  vary over the union of the inputs' varying axes (so replicated weights get
+  psum'd cotangents by the transpose of that cast, as in `experts`).
+
+Per rank, ``dispatch="collective"`` runs in rounds (MoK's macrobatches): in
+round j every rank sends to every destination rank the next ``C`` of its
+(token, k) pairs routed there, as one `all_to_all` of a fixed ``[EP*C, H]``
+buffer; the destination runs the local FFI kernel over the ``EP*C`` received
+rows (each row a token with top_k = 1 and its *local* expert id); the
+unweighted expert outputs go back by the reverse `all_to_all`. The number of
+rounds is ``max over ranks and destinations of ceil(count / C)`` (a `pmax`,
+so every rank runs the same trip count): dropless whatever the imbalance,
+with per-round buffers of a fixed size. The source rank combines
+``y = shared(x) + sum_k w_k * out_k`` in float32 in k order, like the kernel.
+The backward replays the dispatch round by round (x and dy rows go out
+together), recomputes the local forward to get its residuals, runs the local
+FFI backward, and returns ``dx`` rows and ``d_topk_weights`` by the reverse
+`all_to_all`; expert-weight gradients accumulate over rounds in float32.
+Nothing per round is saved between forward and backward (the custom_vjp
+residuals are the inputs only), so activation memory does not grow with the
+number of rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from . import _ffi
+from . import _validate as V
+from .reference import experts_xla
+
+DISPATCH_MODES = ("auto", "collective", "peer")
+ISSUE = "issue 5 (expert parallelism)"
+# Pairs a rank may send to one destination per round, as a multiple of the
+# balanced share T_local*K/EP: a factor 2 keeps balanced routing to one round
+# and bounds every per-round buffer by 2*T_local*K rows (see docs/scaling.md).
+ROUND_CAPACITY_FACTOR = 2.0
+
+
+class EPConfig(NamedTuple):
+    """Static configuration of one expert-parallel call (hashable)."""
+    impl: str                 # "cpu" | "cuda" | "xla": the per-rank kernel
+    axis: str                 # the expert axis (all_to_all over it)
+    ep: int                   # its size
+    round_rows: int           # C: pairs per (source, destination) per round
+    sync_axes: tuple          # axes the round count is pmax'd over
+    mesh: object = None       # mesh mode only
+    token_axes: tuple = ()    # mesh mode only
+    psum_expert_axes: tuple = ()  # mesh mode: token axes other than `axis`
+    psum_shared_axes: tuple = ()  # mesh mode: all token axes
+
+
+def check_dispatch(dispatch):
+    V.check_choice("dispatch", dispatch, DISPATCH_MODES)
+    if dispatch == "peer":
+        raise NotImplementedError(
+            "dispatch='peer' (the in-kernel pull dispatch through a peer-pointer table) is "
+            f"not implemented yet; it is tracked in {ISSUE}. Use dispatch='collective' "
+            "(or 'auto', which is 'collective' for now).")
+    return "collective"
+
+
+def _round_rows(tokens_local, top_k, ep, round_rows):
+    pairs = tokens_local * top_k
+    if round_rows is None:
+        round_rows = math.ceil(ROUND_CAPACITY_FACTOR * pairs / ep)
+    if not isinstance(round_rows, (int, np.integer)) or round_rows < 1:
+        raise ValueError(f"round_rows must be a positive int, got {round_rows!r}")
+    return int(max(1, min(round_rows, pairs)))
+
+
+def _resolve_impl(implementation, dtype, dims, platform):
+    from .experts import resolve_implementation
+    if implementation != "auto":
+        return resolve_implementation(implementation, dtype, dims)
+    if platform == "cpu":
+        return "cpu"
+    H, F, Fs, K = dims
+    if (platform in ("gpu", "cuda") and _ffi.cuda_built()
+            and _ffi.cuda_unsupported_reason(dtype, H, F, Fs, K) is None
+            and _ffi.cuda_device_supported()):
+        return "cuda"
+    return "xla"
+
+
+# --------------------------------------------------------------------------
+# The per-rank local kernel (inputs as in experts._experts_ffi).
+
+def _empty_shared(H, dtype):
+    z = jnp.zeros((H, 0), dtype)
+    return z, z, jnp.zeros((0, H), dtype)
+
+
+def _xla_flat(x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
+    shared = None if wsg.shape[1] == 0 else (wsg, wsu, wsd)
+    return experts_xla(x, ids, weights, mask.astype(bool), wg, wu, wd, shared)
+
+
+def _local_forward(impl, inputs):
+    inputs, _ = _ffi.reconcile_varying(list(inputs))
+    if impl == "xla":
+        return _xla_flat(*inputs)
+    return _ffi.forward_call(impl, inputs)[0]
+
+
+def _local_backward(impl, dy, inputs):
+    """(dx, d_topk_weights, dwg, dwu, dwd, dwsg, dwsu, dwsd) of the local
+    kernel, recomputing its forward residuals (nothing is kept per round)."""
+    (dy, *inputs), _ = _ffi.reconcile_varying([dy, *inputs])
+    if impl == "xla" or (impl == "cuda" and not _ffi.cuda_backward_built()):
+        _, vjp = jax.vjp(_xla_flat, *inputs)
+        g = vjp(dy)
+        return g[0], g[2], *g[4:]
+    _, *residuals = _ffi.forward_call(impl, inputs)
+    return tuple(_ffi.backward_call(impl, dy, inputs, residuals))
+
+
+def _shared_inputs(impl, x, mask_u8, wsg, wsu, wsd):
+    """The local kernel with one dummy routed expert of zero weight (F=0 on the
+    CPU kernel; F=8 zeros on XLA and CUDA, which want non-empty tiles): its
+    output is exactly the shared expert's, computed by the same code as at EP=1."""
+    T, H = x.shape
+    Fd = 0 if impl == "cpu" else 8
+    z = jnp.zeros((1, H, Fd), x.dtype)
+    return (x, jnp.zeros((T, 1), jnp.int32), jnp.zeros((T, 1), jnp.float32), mask_u8,
+            z, z, jnp.zeros((1, Fd, H), x.dtype), wsg, wsu, wsd)
+
+
+# --------------------------------------------------------------------------
+# The per-rank dispatch plan and rounds.
+
+def _vary(a, axes):
+    """pcast `a` to vary over `axes` (no-op outside shard_map / check_vma=False)."""
+    missing = tuple(sorted(frozenset(axes) - _ffi.varying_axes([a])))
+    if not missing or not _tracks_vma(a):
+        return a
+    return jax.lax.pcast(a, missing, to="varying")
+
+
+def _tracks_vma(a):
+    return getattr(jax.typeof(a), "manual_axis_type", None) is not None
+
+
+class _Plan(NamedTuple):
+    order: jax.Array      # [P] pairs sorted by destination rank, then pair index
+    start: jax.Array      # [EP] first sorted position of each destination
+    counts: jax.Array     # [EP] pairs sent to each destination
+    valid: jax.Array      # [P] bool: unmasked pair
+    local_id: jax.Array   # [P] expert id on the destination rank
+    rounds: jax.Array     # scalar int32, the same on every rank of the group
+
+
+def _plan(cfg, ids, mask, experts_local):
+    T, K = ids.shape
+    ep, C = cfg.ep, cfg.round_rows
+    flat = ids.reshape(-1)
+    valid = jnp.repeat(mask, K)
+    dest = jnp.where(valid, flat // experts_local, ep).astype(jnp.int32)
+    counts = jnp.bincount(dest, length=ep + 1)[:ep].astype(jnp.int32)
+    order = jnp.argsort(dest, stable=True).astype(jnp.int32)
+    start = (jnp.cumsum(counts) - counts).astype(jnp.int32)
+    local_rounds = (jnp.max(counts) + C - 1) // C
+    rounds = jax.lax.pmax(local_rounds, cfg.sync_axes)
+    return _Plan(order, start, counts, valid, (flat % experts_local).astype(jnp.int32), rounds)
+
+
+def _send_pairs(cfg, plan, j):
+    """Pair index of every slot [EP*C] of round j (-1: empty slot): slot
+    d*C + i carries the (j*C + i)-th pair (in pair order) routed to rank d."""
+    C = cfg.round_rows
+    r = j * C + jnp.arange(C, dtype=jnp.int32)[None, :]
+    ok = r < plan.counts[:, None]
+    at = jnp.clip(plan.start[:, None] + r, 0, plan.order.shape[0] - 1)
+    return jnp.where(ok, plan.order[at], -1).reshape(-1)
+
+
+def _a2a(a, cfg):
+    return jax.lax.all_to_all(a, cfg.axis, 0, 0, tiled=True)
+
+
+def _gather_rows(a, idx):
+    """a[idx] with zero rows where idx < 0."""
+    safe = jnp.clip(idx, 0, a.shape[0] - 1)
+    rows = a[safe]
+    keep = (idx >= 0).reshape((-1,) + (1,) * (rows.ndim - 1))
+    return jnp.where(keep, rows, jnp.zeros((), rows.dtype))
+
+
+def _scatter_pairs(buf, pair, vals):
+    """buf[pair[s]] = vals[s] for the filled slots (each pair travels once)."""
+    idx = jnp.where(pair >= 0, pair, buf.shape[0])
+    return buf.at[idx].set(vals.astype(buf.dtype), mode="drop")
+
+
+def _union_axes(arrays):
+    return tuple(sorted(_ffi.varying_axes(arrays)))
+
+
+def rank_forward(cfg, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
+    """Per-rank forward (inside a manual context over cfg.axis)."""
+    T, H = x.shape
+    K = ids.shape[1]
+    El = wg.shape[0]
+    axes = _union_axes([x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd])
+    plan = _plan(cfg, ids, mask, El)
+    mask_u8 = mask.astype(jnp.uint8)
+
+    def body(j, out):
+        pair = _send_pairs(cfg, plan, j)
+        rows = _gather_rows(x, jnp.where(pair >= 0, pair // K, -1))
+        meta = jnp.where(pair >= 0, plan.local_id[jnp.clip(pair, 0)], -1)
+        rows, meta = _a2a(rows, cfg), _a2a(meta, cfg)
+        live = meta >= 0
+        y_rows = _local_forward(cfg.impl, (
+            rows, jnp.where(live, meta, 0)[:, None],
+            jnp.ones((rows.shape[0], 1), jnp.float32), live.astype(jnp.uint8),
+            wg, wu, wd, *_empty_shared(H, x.dtype)))
+        back = _a2a(y_rows, cfg)  # slot s holds the output of pair[s]
+        return _scatter_pairs(out, pair, back)
+
+    out0 = _vary(jnp.zeros((T * K, H), x.dtype), axes)
+    out = jax.lax.fori_loop(0, plan.rounds, body, out0)
+
+    acc = jnp.zeros((T, H), jnp.float32)
+    if wsg.shape[1]:
+        acc = _local_forward(cfg.impl, _shared_inputs(cfg.impl, x, mask_u8, wsg, wsu, wsd))
+        acc = acc.astype(jnp.float32)
+    out = out.reshape(T, K, H).astype(jnp.float32)
+    valid = plan.valid.reshape(T, K)
+    w = weights.astype(jnp.float32)
+    for k in range(K):  # the kernel's combine: shared first, then k = 0..K-1
+        # The barrier keeps XLA from contracting w*out + acc into an FMA, which
+        # would round differently from the kernel's separate multiply and add.
+        prod = jax.lax.optimization_barrier(w[:, k:k + 1] * out[:, k])
+        acc = jnp.where(valid[:, k:k + 1], acc + prod, acc)
+    y = jnp.where(mask[:, None], acc, 0.0).astype(x.dtype)
+    return _vary(y, axes)
+
+
+def rank_backward(cfg, dy, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
+    """Per-rank backward: (dx, d_topk_weights, dwg, dwu, dwd, dwsg, dwsu, dwsd),
+    float32 accumulators for the weights, before any cross-rank sum."""
+    T, H = x.shape
+    K = ids.shape[1]
+    El = wg.shape[0]
+    axes = _union_axes([dy, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd])
+    plan = _plan(cfg, ids, mask, El)
+    mask_u8 = mask.astype(jnp.uint8)
+    w_flat = weights.reshape(-1).astype(jnp.float32)
+
+    def body(j, carry):
+        dx_p, dw_p, gg, gu, gd = carry
+        pair = _send_pairs(cfg, plan, j)
+        tok = jnp.where(pair >= 0, pair // K, -1)
+        rows = _a2a(jnp.concatenate([_gather_rows(x, tok), _gather_rows(dy, tok)], 1), cfg)
+        meta = _a2a(jnp.where(pair >= 0, plan.local_id[jnp.clip(pair, 0)], -1), cfg)
+        wr = _a2a(jnp.where(pair >= 0, w_flat[jnp.clip(pair, 0)], 0.0), cfg)
+        live = meta >= 0
+        inputs = (rows[:, :H], jnp.where(live, meta, 0)[:, None], wr[:, None],
+                  live.astype(jnp.uint8), wg, wu, wd, *_empty_shared(H, x.dtype))
+        dxr, dwr, dgg, dgu, dgd = _local_backward(cfg.impl, rows[:, H:], inputs)[:5]
+        dx_back = _a2a(dxr, cfg)
+        dw_back = _a2a(dwr.reshape(-1), cfg)
+        dx_p = _scatter_pairs(dx_p, pair, dx_back)
+        dw_p = _scatter_pairs(dw_p, pair, dw_back)
+        return (dx_p, dw_p, gg + dgg.astype(jnp.float32), gu + dgu.astype(jnp.float32),
+                gd + dgd.astype(jnp.float32))
+
+    init = (jnp.zeros((T * K, H), x.dtype), jnp.zeros((T * K,), jnp.float32),
+            jnp.zeros(wg.shape, jnp.float32), jnp.zeros(wu.shape, jnp.float32),
+            jnp.zeros(wd.shape, jnp.float32))
+    init = tuple(_vary(a, axes) for a in init)
+    dx_p, dw_p, gg, gu, gd = jax.lax.fori_loop(0, plan.rounds, body, init)
+
+    acc = jnp.zeros((T, H), jnp.float32)
+    dsh = tuple(jnp.zeros(a.shape, jnp.float32) for a in (wsg, wsu, wsd))
+    if wsg.shape[1]:
+        g = _local_backward(cfg.impl, dy, _shared_inputs(cfg.impl, x, mask_u8, wsg, wsu, wsd))
+        acc = g[0].astype(jnp.float32)
+        dsh = tuple(a.astype(jnp.float32) for a in g[5:])
+    dx_p = dx_p.reshape(T, K, H).astype(jnp.float32)
+    valid = plan.valid.reshape(T, K)
+    for k in range(K):  # the kernel's dx combine: shared first, then k order
+        acc = jnp.where(valid[:, k:k + 1], acc + dx_p[:, k], acc)
+    dx = jnp.where(mask[:, None], acc, 0.0).astype(x.dtype)
+    dw = jnp.where(plan.valid, dw_p, 0.0).reshape(T, K)
+    return tuple(_vary(a, axes) for a in (dx, dw, gg, gu, gd, *dsh))
+
+
+def _cast_like(grads, primals):
+    return tuple(g.astype(p.dtype) for g, p in zip(grads, primals))
+
+
+# --------------------------------------------------------------------------
+# Inside the caller's shard_map (axis_name=).
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ep_inner(cfg, *inputs):
+    return rank_forward(cfg, *inputs)
+
+
+def _ep_inner_fwd(cfg, *inputs):
+    return rank_forward(cfg, *inputs), inputs
+
+
+def _ep_inner_bwd(cfg, inputs, dy):
+    x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd = inputs
+    dx, dw, gg, gu, gd, gsg, gsu, gsd = rank_backward(cfg, dy, *inputs)
+    dx, gg, gu, gd, gsg, gsu, gsd = _cast_like(
+        (dx, gg, gu, gd, gsg, gsu, gsd), (x, wg, wu, wd, wsg, wsu, wsd))
+    return dx, None, dw, None, gg, gu, gd, gsg, gsu, gsd
+
+
+_ep_inner.defvjp(_ep_inner_fwd, _ep_inner_bwd)
+
+
+# --------------------------------------------------------------------------
+# Global arrays over a mesh (mesh=).
+
+def _specs(cfg):
+    tok = P(cfg.token_axes, None)
+    ew = P(cfg.axis, None, None)
+    return (tok, tok, tok, P(cfg.token_axes), ew, ew, ew, P(), P(), P())
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ep_mesh(cfg, *inputs):
+    return _ep_mesh_fwd(cfg, *inputs)[0]
+
+
+def _ep_mesh_fwd(cfg, *inputs):
+    specs = _specs(cfg)
+    f = jax.shard_map(partial(rank_forward, cfg), mesh=cfg.mesh, in_specs=specs,
+                      out_specs=specs[0])
+    return f(*inputs), inputs
+
+
+def _mesh_rank_backward(cfg, dy, *inputs):
+    dx, dw, gg, gu, gd, gsg, gsu, gsd = rank_backward(cfg, dy, *inputs)
+    if cfg.psum_expert_axes:  # expert weights are replicated over the data axes
+        gg, gu, gd = (jax.lax.psum(a, cfg.psum_expert_axes) for a in (gg, gu, gd))
+    gsg, gsu, gsd = (jax.lax.psum(a, cfg.psum_shared_axes) for a in (gsg, gsu, gsd))
+    x, wg, wu, wd, wsg, wsu, wsd = (inputs[i] for i in (0, 4, 5, 6, 7, 8, 9))
+    return (dx.astype(x.dtype), dw,
+            *_cast_like((gg, gu, gd, gsg, gsu, gsd), (wg, wu, wd, wsg, wsu, wsd)))
+
+
+def _ep_mesh_bwd(cfg, inputs, dy):
+    specs = _specs(cfg)
+    out_specs = (specs[0], specs[2], *specs[4:])
+    f = jax.shard_map(partial(_mesh_rank_backward, cfg), mesh=cfg.mesh,
+                      in_specs=(specs[0], *specs), out_specs=out_specs)
+    dx, dw, gg, gu, gd, gsg, gsu, gsd = f(dy, *inputs)
+    return dx, None, dw, None, gg, gu, gd, gsg, gsu, gsd
+
+
+_ep_mesh.defvjp(_ep_mesh_fwd, _ep_mesh_bwd)
+
+
+# --------------------------------------------------------------------------
+# Entry points.
+
+def _check_common(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_experts,
+                  token_mask):
+    x = jnp.asarray(x)
+    topk_ids = jnp.asarray(topk_ids)
+    topk_weights = jnp.asarray(topk_weights)
+    V.check_float("x", x)
+    if x.ndim < 1:
+        raise ValueError(f"x must be [..., H], got shape {tuple(x.shape)}")
+    E_l, H, F = V.check_expert_weights(x, w_gate, w_up, w_down)
+    lead = x.shape[:-1]
+    if topk_ids.ndim != x.ndim or topk_ids.shape[:-1] != lead:
+        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected "
+                         f"{tuple(lead)} + (K,) (x's leading axes, then top_k)")
+    V.check_shape("topk_weights", topk_weights, topk_ids.shape, "same as topk_ids")
+    K = topk_ids.shape[-1]
+    token_mask = V.check_token_mask(token_mask, x)
+    shared = V.normalize_shared(shared_experts, x)
+    T = math.prod(lead)
+    x2 = x.reshape(T, H)
+    ids2 = topk_ids.reshape(T, K).astype(jnp.int32)
+    w2 = topk_weights.reshape(T, K).astype(jnp.float32)
+    mask2 = jnp.ones((T,), bool) if token_mask is None else token_mask.reshape(T)
+    wsg, wsu, wsd = shared if shared is not None else _empty_shared(H, x.dtype)
+    return x, (x2, ids2, w2, mask2, w_gate, w_up, w_down, wsg, wsu, wsd), (E_l, H, F, K, T)
+
+
+def mesh_axes(mesh, expert_axis, token_axes):
+    """Validated (expert_axis, token_axes tuple, EP size) for a mesh."""
+    names = tuple(getattr(mesh, "axis_names", ()))
+    if not names:
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if expert_axis is None:
+        raise ValueError(f"expert_axis is required with mesh=; the mesh has axes {names}")
+    if expert_axis not in names:
+        raise ValueError(f"expert_axis={expert_axis!r} is not an axis of the mesh "
+                         f"(its axes are {names})")
+    if token_axes is None:
+        token_axes = (expert_axis,) + tuple(a for a in names if a != expert_axis)
+    elif isinstance(token_axes, str):
+        token_axes = (token_axes,)
+    token_axes = tuple(token_axes)
+    for a in token_axes:
+        if a not in names:
+            raise ValueError(f"token_axes contains {a!r}, which is not an axis of the mesh "
+                             f"(its axes are {names})")
+    if len(set(token_axes)) != len(token_axes):
+        raise ValueError(f"token_axes={token_axes} names an axis twice")
+    if expert_axis not in token_axes:
+        raise ValueError(f"token_axes={token_axes} must include expert_axis={expert_axis!r}: "
+                         "tokens are split over the expert axis, each rank sending its own")
+    return expert_axis, token_axes, int(mesh.shape[expert_axis])
+
+
+def experts_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, mesh=None,
+                     expert_axis=None, token_axes=None, axis_name=None, shared_experts=None,
+                     token_mask=None, implementation="auto", dispatch="auto",
+                     round_rows=None):
+    """`mok_jax.experts` with the experts sharded over a mesh axis.
+
+    Either ``mesh`` + ``expert_axis`` (global arrays; w_* are ``[E, ...]`` and
+    are split along E) or ``axis_name`` (inside the caller's shard_map; w_*
+    are this rank's ``[E/EP, ...]`` block, expert ``e`` living on rank
+    ``e // (E/EP)``, and topk_ids are global ids). ``round_rows``: pairs per
+    (source, destination) per dispatch round (default
+    ``ceil(2*T_local*K/EP)``, see docs/scaling.md).
+    """
+    check_dispatch(dispatch)
+    if (mesh is None) == (axis_name is None):
+        raise ValueError("give exactly one of mesh= (global arrays) or axis_name= "
+                         "(inside your own shard_map)")
+    x, inputs, (E, H, F, K, T) = _check_common(x, topk_ids, topk_weights, w_gate, w_up,
+                                               w_down, shared_experts, token_mask)
+    Fs = inputs[7].shape[1]
+    if mesh is not None:
+        axis, tok_axes, ep = mesh_axes(mesh, expert_axis, token_axes)
+        if E % ep:
+            raise ValueError(f"w_gate has E={E} experts, which does not divide evenly over "
+                             f"expert_axis={axis!r} of size {ep}")
+        n_tok = math.prod(int(mesh.shape[a]) for a in tok_axes)
+        if T % n_tok:
+            raise ValueError(f"x has T={T} tokens, which do not divide evenly over "
+                             f"token_axes={tok_axes} ({n_tok} shards)")
+        platform = np.asarray(mesh.devices).flat[0].platform
+        impl = _resolve_impl(implementation, x.dtype, (H, F, Fs, K), platform)
+        if T == 0:
+            return jnp.zeros(x.shape, x.dtype)
+        cfg = EPConfig(impl=impl, axis=axis, ep=ep,
+                       round_rows=_round_rows(T // n_tok, K, ep, round_rows),
+                       sync_axes=tok_axes, mesh=mesh, token_axes=tok_axes,
+                       psum_expert_axes=tuple(a for a in tok_axes if a != axis),
+                       psum_shared_axes=tok_axes)
+        with jax.named_scope(f"mok_experts_ep_{impl}"):
+            y = _ep_mesh(cfg, *inputs)
+        return y.reshape(x.shape)
+
+    if expert_axis is not None or token_axes is not None:
+        raise ValueError("expert_axis= and token_axes= go with mesh=; inside your own "
+                         "shard_map pass axis_name= only")
+    ep = int(jax.lax.axis_size(axis_name))
+    impl = _resolve_impl(implementation, x.dtype, (H, F, Fs, K), jax.default_backend())
+    if T == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    cfg = EPConfig(impl=impl, axis=axis_name, ep=ep,
+                   round_rows=_round_rows(T, K, ep, round_rows),
+                   sync_axes=(axis_name,))
+    inputs, _ = _ffi.reconcile_varying(list(inputs))
+    with jax.named_scope(f"mok_experts_ep_{impl}"):
+        y = _ep_inner(cfg, *inputs)
+    return y.reshape(x.shape)
