@@ -51,6 +51,7 @@ ISSUE = "issue 5 (expert parallelism)"
 # balanced share T_local*K/EP: a factor 2 keeps balanced routing to one round
 # and bounds every per-round buffer by 2*T_local*K rows (see docs/scaling.md).
 ROUND_CAPACITY_FACTOR = 2.0
+_EMPTY = np.int32(np.iinfo(np.int32).min)  # local-id value of an empty slot
 
 
 class EPConfig(NamedTuple):
@@ -170,7 +171,10 @@ def _plan(cfg, ids, mask, experts_local):
     T, K = ids.shape
     ep, C = cfg.ep, cfg.round_rows
     flat = ids.reshape(-1)
-    valid = jnp.repeat(mask, K)
+    # Pairs with ids outside [0, E) are skipped, as the CUDA kernel does: an
+    # error raised by one rank's kernel would leave the others waiting in the
+    # next all_to_all.
+    valid = jnp.repeat(mask, K) & (flat >= 0) & (flat < experts_local * ep)
     dest = jnp.where(valid, flat // experts_local, ep).astype(jnp.int32)
     counts = jnp.bincount(dest, length=ep + 1)[:ep].astype(jnp.int32)
     order = jnp.argsort(dest, stable=True).astype(jnp.int32)
@@ -224,9 +228,9 @@ def rank_forward(cfg, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
     def body(j, out):
         pair = _send_pairs(cfg, plan, j)
         rows = _gather_rows(x, jnp.where(pair >= 0, pair // K, -1))
-        meta = jnp.where(pair >= 0, plan.local_id[jnp.clip(pair, 0)], -1)
+        meta = jnp.where(pair >= 0, plan.local_id[jnp.clip(pair, 0)], _EMPTY)
         rows, meta = _a2a(rows, cfg), _a2a(meta, cfg)
-        live = meta >= 0
+        live = meta != _EMPTY
         y_rows = _local_forward(cfg.impl, (
             rows, jnp.where(live, meta, 0)[:, None],
             jnp.ones((rows.shape[0], 1), jnp.float32), live.astype(jnp.uint8),
@@ -269,9 +273,9 @@ def rank_backward(cfg, dy, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
         pair = _send_pairs(cfg, plan, j)
         tok = jnp.where(pair >= 0, pair // K, -1)
         rows = _a2a(jnp.concatenate([_gather_rows(x, tok), _gather_rows(dy, tok)], 1), cfg)
-        meta = _a2a(jnp.where(pair >= 0, plan.local_id[jnp.clip(pair, 0)], -1), cfg)
+        meta = _a2a(jnp.where(pair >= 0, plan.local_id[jnp.clip(pair, 0)], _EMPTY), cfg)
         wr = _a2a(jnp.where(pair >= 0, w_flat[jnp.clip(pair, 0)], 0.0), cfg)
-        live = meta >= 0
+        live = meta != _EMPTY
         inputs = (rows[:, :H], jnp.where(live, meta, 0)[:, None], wr[:, None],
                   live.astype(jnp.uint8), wg, wu, wd, *_empty_shared(H, x.dtype))
         dxr, dwr, dgg, dgu, dgd = _local_backward(cfg.impl, rows[:, H:], inputs)[:5]

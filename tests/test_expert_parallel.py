@@ -3,6 +3,7 @@ devices: forward and every gradient equal the EP=1 kernel, bitwise where the
 design guarantees it; imbalance, empty ranks, a user's own shard_map, bad
 meshes, and two processes over jax.distributed (gloo)."""
 
+import functools
 import os
 import socket
 import subprocess
@@ -49,6 +50,7 @@ def _assert_grads(got, want, names=("x", "router", "w_gate", "w_up", "w_down", "
             _assert_close(f"d_{name}[{i}]", a, b)
 
 
+@functools.lru_cache(maxsize=None)  # one jitted function (and compile) per config
 def _layer_fn(K, **kw):
     def f(x, router, wg, wu, wd, sh, ct, mask, bias):
         y, aux = mok_jax.moe_layer(x, router, wg, wu, wd, top_k=K, shared_experts=sh,
@@ -91,6 +93,7 @@ def test_mesh_axis_that_splits_no_tokens():
     _compare_layer(_layer_problem(T, E, K), K, mesh, token_axes=("expert", "data"))
 
 
+@functools.lru_cache(maxsize=None)
 def _experts_fn(**kw):
     def f(x, w, wg, wu, wd, sh, ids, ct):
         fn = parallel.experts_parallel if "mesh" in kw else mok_jax.experts
@@ -264,8 +267,8 @@ def test_eager_call_without_jit():
     E, K, T = 8, 2, 32
     x, router, wg, wu, wd, sh = make_problem(T, H, F, E, shared_ffn=FS)
     mesh = _mesh((2, 2), ("data", "expert"))
-    y0, _ = mok_jax.moe_layer(x, router, wg, wu, wd, top_k=K, shared_experts=sh,
-                              implementation="cpu")
+    y0 = jax.jit(lambda *a: mok_jax.moe_layer(*a, top_k=K, shared_experts=sh,
+                                              implementation="cpu")[0])(x, router, wg, wu, wd)
     y1, _ = mok_jax.moe_layer(x, router, wg, wu, wd, top_k=K, shared_experts=sh,
                               mesh=mesh, expert_axis="expert", token_axes=("data", "expert"))
     np.testing.assert_array_equal(y1, y0)
@@ -306,6 +309,22 @@ def test_bad_meshes_and_options():
     with pytest.raises(ValueError, match="this rank's block of E/EP experts"):
         jax.shard_map(inner, mesh=_mesh((2,), ("expert",)),
                       in_specs=(P("expert"), P(), P(), P()), out_specs=P("expert"))(x, wg, wu, wd)
+
+
+def test_out_of_range_ids_are_skipped():
+    """A pair whose id is outside [0, E) contributes nothing (as in the CUDA
+    kernel): y equals EP=1 with that pair's weight set to zero."""
+    E, K, T = 8, 2, 32
+    x, _, wg, wu, wd, _ = make_problem(T, H, F, E)
+    k1, k2 = jax.random.split(fresh_key())
+    ids = jax.random.randint(k1, (T, K), 0, E)
+    w = jax.random.uniform(k2, (T, K), minval=0.1)
+    bad = ids.at[5, 1].set(E + 3).at[20, 0].set(-1)
+    y = parallel.experts_parallel(x, bad, w, wg, wu, wd, mesh=_mesh((4,), ("expert",)),
+                                  expert_axis="expert")
+    w0 = w.at[5, 1].set(0.0).at[20, 0].set(0.0)
+    np.testing.assert_array_equal(y, mok_jax.experts(x, ids, w0, wg, wu, wd,
+                                                     implementation="cpu"))
 
 
 def _free_port():
