@@ -327,6 +327,23 @@ def test_out_of_range_ids_are_skipped():
                                                      implementation="cpu"))
 
 
+@pytest.mark.skipif(not mok_jax.cuda_built(), reason="CUDA backend not built here")
+def test_cuda_path_lowers_for_gpu():
+    """Without a GPU: the mesh path with implementation='cuda' traces and lowers
+    for CUDA (the local kernel inside the dispatch loop, the shared expert
+    through the F=8 dummy), forward and gradient."""
+    E, K, T = 8, 2, 256
+    x, router, wg, wu, wd, sh = make_problem(T, 64, 64, E, dtype=jnp.bfloat16, shared_ffn=64)
+    mesh = _mesh((4,), ("expert",))
+    f = lambda x, wg, sh: jnp.sum(mok_jax.moe_layer(
+        x, router, wg, wu, wd, top_k=K, shared_experts=sh, mesh=mesh, expert_axis="expert",
+        implementation="cuda")[0].astype(jnp.float32) ** 2)
+    for fn, loops in ((f, 1), (jax.grad(f, argnums=(0, 1, 2)), 2)):
+        hlo = jax.jit(fn).trace(x, wg, sh).lower(lowering_platforms=("cuda",)).as_text()
+        assert hlo.count("mok_experts_fwd_cuda") >= 2  # routed rounds + shared expert
+        assert "all_to_all" in hlo and hlo.count("stablehlo.while") >= loops
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
