@@ -55,4 +55,75 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& args, i
 // Dynamic shared memory one GEMM CTA uses (for reports).
 int grouped_gemm_smem_bytes();
 
+// ------------------------------------------------------------------ backward
+// Backward GEMMs (gemm_wgmma_bwd.cu), same machinery (128x256 CTA tile, K step
+// 64, 4-stage TMA/mbarrier ring, 1 producer + 2 consumer WGs, persistent grid).
+//
+// Dgrad with K-major B: for each 128-row tile m of A (group g = tile_group[m],
+// -1 = unused: skipped, nothing written),
+//   out[rows of m] = sum_h A_h[rows of m] @ B_h[g]^T
+//   A_h : [m_rows, k] bf16 row-major (K-major)
+//   B_h : [groups, n, k] bf16 row-major (K-major: wgmma trans-b = 0)
+// Epilogues:
+//   launch_dgrad_swiglu_bwd (one term h = 0; the accumulator is gd = dy @ W_down^T):
+//     with g = gate_pre[row], u = up_pre[row] (bf16), s = sigmoid(g),
+//     a = bf16(silu(g) u) and the row's weight w (pair_weight[row_pair[row]] when
+//     row_pair is given, else 1):
+//       out0 = bf16(w gd u s (1 + g (1 - s)))   (d gate)
+//       out1 = bf16(w gd silu(g))               (d up)
+//       out2 = bf16(w a)                        (scaled activation, for dW_down)
+//       part[row * n_tiles + n_tile] = sum over the tile's columns of gd * a (fp32,
+//         fixed order), n_tiles = ceil(n / 256)
+//     Rows that are padding (row_pair < 0) or masked (row_mask == 0) are written as
+//     zeros (part too).
+//   launch_dgrad_sum2 (two terms: K runs over [A_0 | A_1] against [B_0 | B_1]):
+//     out0 = bf16(acc).
+struct DgradArgs {
+  const void* a0 = nullptr;
+  const void* a1 = nullptr;
+  int64_t m_rows = 0;
+  int64_t k = 0;
+  const void* b0 = nullptr;
+  const void* b1 = nullptr;
+  int64_t groups = 1;
+  int64_t n = 0;
+  const int32_t* tile_group = nullptr;  // nullptr: every tile uses group 0
+  // SwiGLU-backward epilogue
+  const void* gate_pre = nullptr;  // [m_rows, n]
+  const void* up_pre = nullptr;    // [m_rows, n]
+  const int32_t* row_pair = nullptr;
+  const float* pair_weight = nullptr;
+  const uint8_t* row_mask = nullptr;
+  void* out0 = nullptr;
+  void* out1 = nullptr;
+  void* out2 = nullptr;
+  float* part = nullptr;  // may be nullptr (not written)
+};
+const char* launch_dgrad_swiglu_bwd(const DgradArgs& args, int num_sms, cudaStream_t stream);
+const char* launch_dgrad_sum2(const DgradArgs& args, int num_sms, cudaStream_t stream);
+
+// Wgrad with MN-major A (wgmma trans-a = 1) and ragged K: for up to 3 jobs j and
+// each group g with rows [off[g], off[g+1]) (offsets read on the device; nullptr
+// = one group of rows [0, rows)),
+//   out_j[g] ([m_j, n_j], bf16) = A_j[rows of g]^T @ B_j[rows of g]
+//   A_j : [rows, m_j] bf16 row-major,  B_j : [rows, n_j] bf16 row-major.
+// K advances in steps of 64 rows; rows past a group's end must be zero in A or B
+// (segments are 128-padded with zero padding rows; rows past `rows` are TMA zero
+// fill). Groups with no rows get exact zeros.
+struct WgradJob {
+  const void* a = nullptr;
+  int64_t m = 0;
+  const void* b = nullptr;
+  int64_t n = 0;
+  void* out = nullptr;
+};
+struct WgradArgs {
+  WgradJob job[3];
+  int jobs = 0;
+  int64_t rows = 0;
+  int64_t groups = 1;
+  const int32_t* offsets = nullptr;
+};
+const char* launch_wgrad(const WgradArgs& args, int num_sms, cudaStream_t stream);
+
 }  // namespace mok::cuda

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 
+#include "backward_cuda.h"
 #include "ffi_args.h"
 #include "forward_cuda.h"
 
@@ -55,8 +56,32 @@ ffi::Error ForwardCuda(cudaStream_t stream, Buf x, Buf ids, Buf w, Buf mask, Buf
       });
 }
 
+ffi::Error BackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf mask, Buf wg,
+                        Buf wu, Buf wd, Buf wsg, Buf wsu, Buf wsd, Buf offsets, Buf row_pair,
+                        Buf pair_row, Buf gate_pre, Buf up_pre, Buf sgate_pre, Buf sup_pre, Ret dx,
+                        Ret dw, Ret dwg, Ret dwu, Ret dwd, Ret dwsg, Ret dwsu, Ret dwsd,
+                        Ret workspace) {
+  return run_backward(
+      dy, Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd},
+      Residuals{offsets, row_pair, pair_row, gate_pre, up_pre, sgate_pre, sup_pre}, dx, dw, dwg,
+      dwu, dwd, dwsg, dwsu, dwsd, [&](const Problem& p, const BackwardArgs& a) -> std::string {
+        if (p.dtype != DType::kBF16) return "the CUDA backend supports bfloat16 only";
+        const size_t need = cuda::backward_workspace_bytes(p);
+        if (workspace->size_bytes() < need)
+          return "workspace has " + std::to_string(workspace->size_bytes()) + " bytes, needs " +
+                 std::to_string(need);
+        if (const char* err = cuda::backward(p, a, workspace->untyped_data(), stream)) return err;
+        return {};
+      });
+}
+
 }  // namespace
 }  // namespace mok
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokExpertsBwdCuda, mok::BackwardCuda,
+    mok::BindBackward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
+        .Ret<mok::Buf>());  // + workspace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokExpertsFwdCuda, mok::ForwardCuda,
@@ -67,6 +92,7 @@ NB_MODULE(_mok_cuda, m) {
   m.def("registrations", []() {
     nanobind::dict d;
     d["mok_experts_fwd_cuda"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsFwdCuda));
+    d["mok_experts_bwd_cuda"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsBwdCuda));
     return d;
   });
   m.def("forward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K,
@@ -75,5 +101,12 @@ NB_MODULE(_mok_cuda, m) {
     p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
     p.dtype = mok::DType::kBF16;
     return mok::cuda::forward_workspace_bytes(p);
+  });
+  m.def("backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K,
+                                       int64_t Fs) {
+    mok::Problem p;
+    p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
+    p.dtype = mok::DType::kBF16;
+    return mok::cuda::backward_workspace_bytes(p);
   });
 }

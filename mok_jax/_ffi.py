@@ -42,7 +42,7 @@ def cuda_built() -> bool:
 
 
 def cuda_backward_built() -> bool:
-    """The CUDA backward megakernel is a later stage; until it is registered,
+    """True once the CUDA backward target is registered; without it,
     implementation='cuda' differentiates through the XLA reference."""
     return _mok_cuda is not None and "mok_experts_bwd_cuda" in _mok_cuda.registrations()
 
@@ -146,5 +146,12 @@ def forward_call(platform, inputs):
 def backward_call(platform, dy, inputs, residuals):
     x, ids = inputs[0], inputs[1]
     types = backward_result_types(x, ids, inputs[4:])
-    return jax.ffi.ffi_call(f"mok_experts_bwd_{platform}", types, vmap_method="sequential")(
+    if platform == "cuda":  # the device workspace is one more XLA-owned output
+        T, H = x.shape
+        wg, wsg = inputs[4], inputs[7]
+        E, _, F = wg.shape
+        nbytes = _mok_cuda.backward_workspace_bytes(T, H, F, E, ids.shape[1], wsg.shape[1])
+        types = (*types, _result((nbytes,), np.uint8, x))
+    outs = jax.ffi.ffi_call(f"mok_experts_bwd_{platform}", types, vmap_method="sequential")(
         dy, *inputs, *residuals)
+    return outs[:8]

@@ -1,0 +1,324 @@
+// Orchestration of the CUDA backward (see backward_cuda.h).
+//
+// Workspace layout (each region 256-byte aligned, in this order):
+//   tile_expert  int32[R / 128]
+//   part         fp32[R * ceil(F / 256)]   partial <gd, a> per row and 256-column tile
+//   xs           bf16[R, H]   gathered x rows
+//   dys          bf16[R, H]   gathered dy rows; reused for dxs after the wgrads
+//   dg, du, aw   bf16[R, F] each
+//   sdg, sdu, saw bf16[T, Fs] each, sdx bf16[T, H]   (Fs > 0 only)
+// Total ~= 4*R*H + 6*R*F + 4*R*ceil(F/256) + [Fs > 0] * (6*T*Fs + 2*T*H) + 4*R/128 bytes
+// (R = row_capacity = round_up(T*K + E*127, 128)).
+#include "backward_cuda.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "forward_cuda.h"
+#include "gemm_wgmma.cuh"
+
+namespace mok::cuda {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+struct Layout {
+  size_t tile_expert, part, xs, dys, dg, du, aw, sdg, sdu, saw, sdx, total;
+};
+
+int64_t f_tiles(const Problem& p) { return (p.ffn + 255) / 256; }
+
+Layout make_layout(const Problem& p) {
+  Layout L{};
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t o = off;
+    off += align_up(bytes);
+    return o;
+  };
+  const size_t R = static_cast<size_t>(p.row_capacity());
+  const size_t H = static_cast<size_t>(p.hidden), F = static_cast<size_t>(p.ffn);
+  const size_t T = static_cast<size_t>(p.tokens), Fs = static_cast<size_t>(p.shared_ffn);
+  L.tile_expert = take(R / static_cast<size_t>(p.tile_rows) * sizeof(int32_t));
+  L.part = take(R * static_cast<size_t>(f_tiles(p)) * sizeof(float));
+  L.xs = take(R * H * 2);
+  L.dys = take(R * H * 2);
+  L.dg = take(R * F * 2);
+  L.du = take(R * F * 2);
+  L.aw = take(R * F * 2);
+  if (Fs > 0) {
+    L.sdg = take(T * Fs * 2);
+    L.sdu = take(T * Fs * 2);
+    L.saw = take(T * Fs * 2);
+    L.sdx = take(T * H * 2);
+  }
+  L.total = off;
+  return L;
+}
+
+const char* validate(const Problem& p) {
+  if (p.dtype != DType::kBF16) return "mok cuda backward: only bf16 is supported on CUDA";
+  if (p.tile_rows != 128) return "mok cuda backward: tile_rows must be 128";
+  if (p.tokens < 0 || p.hidden <= 0 || p.ffn <= 0 || p.experts <= 0 || p.top_k <= 0 || p.shared_ffn < 0)
+    return "mok cuda backward: bad problem dimensions";
+  if (p.hidden % 8 != 0 || p.ffn % 8 != 0 || p.shared_ffn % 8 != 0)
+    return "mok cuda backward: H, F and Fs must be multiples of 8";
+  if (p.top_k > 64) return "mok cuda backward: top_k > 64 unsupported";
+  if (p.row_capacity() >= (int64_t(1) << 31) - 256 || p.pairs() >= (int64_t(1) << 31))
+    return "mok cuda backward: too many rows";
+  return nullptr;
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+// tile_expert[t] = the expert whose padded segment holds rows [128 t, 128 t + 128),
+// -1 past expert_offsets[E].
+__global__ void tile_expert_kernel(const int32_t* __restrict__ offsets, int E, int64_t tiles,
+                                   int32_t* __restrict__ tile_expert) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= tiles) return;
+  const int64_t row = t * 128;
+  if (row >= offsets[E]) {
+    tile_expert[t] = -1;
+    return;
+  }
+  // last e with offsets[e] <= row (empty experts have offsets[e] == offsets[e+1])
+  int lo = 0, hi = E;  // offsets[lo] <= row < offsets[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (offsets[mid] <= row) lo = mid;
+    else hi = mid;
+  }
+  tile_expert[t] = lo;
+}
+
+constexpr int kCombThreads = 256;
+constexpr int kMaxK = 64;
+
+__device__ __forceinline__ void acc8(float (&a)[8], const uint4& v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    a[2 * i] += f.x;
+    a[2 * i + 1] += f.y;
+  }
+}
+
+// dx[t] = bf16(sum_{k in order} dxs[pair_row[t,k]] + sdx[t]) (fp32), 0 for masked
+// tokens; d_topk_weights[t,k] = sum_{j in order} part[row * nft + j], 0 if unrouted.
+__global__ void __launch_bounds__(kCombThreads) combine_bwd(int64_t T, int64_t vec_per_row, int K, int nft,
+                                                            const uint8_t* __restrict__ mask,
+                                                            const int32_t* __restrict__ pair_row,
+                                                            const uint4* __restrict__ dxs,
+                                                            const uint4* __restrict__ sdx,
+                                                            const float* __restrict__ part, uint4* __restrict__ dx,
+                                                            float* __restrict__ dtw) {
+  __shared__ int32_t rows[kMaxK];
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+    __syncthreads();
+    const bool live = mask[t] != 0;
+    if (threadIdx.x < K) {
+      const int32_t r = live ? pair_row[t * K + threadIdx.x] : -1;
+      rows[threadIdx.x] = r;
+      float d = 0.0f;
+      if (r >= 0)
+        for (int j = 0; j < nft; ++j) d += part[int64_t(r) * nft + j];
+      dtw[t * K + threadIdx.x] = d;
+    }
+    __syncthreads();
+    uint4* drow = dx + t * vec_per_row;
+    if (!live) {
+      for (int64_t c = threadIdx.x; c < vec_per_row; c += kCombThreads) drow[c] = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    for (int64_t c = threadIdx.x; c < vec_per_row; c += kCombThreads) {
+      float a[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[i] = 0.f;
+      for (int k = 0; k < K; ++k) {
+        const int32_t r = rows[k];
+        if (r >= 0) acc8(a, __ldg(dxs + int64_t(r) * vec_per_row + c));
+      }
+      if (sdx) acc8(a, __ldg(sdx + t * vec_per_row + c));
+      uint4 o;
+      uint32_t* op = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        __nv_bfloat162 b = __floats2bfloat162_rn(a[2 * i], a[2 * i + 1]);
+        op[i] = *reinterpret_cast<uint32_t*>(&b);
+      }
+      drow[c] = o;
+    }
+  }
+}
+
+}  // namespace
+
+size_t backward_workspace_bytes(const Problem& problem) {
+  if (validate(problem) != nullptr) return 0;
+  return make_layout(problem).total;
+}
+
+const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, cudaStream_t stream,
+                     const BackwardStageEvents* ev) {
+  if (const char* e = validate(p)) return e;
+  if (workspace == nullptr || !aligned16(workspace)) return "mok cuda backward: workspace missing or misaligned";
+  const ForwardArgs& f = a.fwd;
+  if (!aligned16(a.dy) || !aligned16(f.x) || !aligned16(f.w_gate) || !aligned16(f.w_up) || !aligned16(f.w_down) ||
+      !aligned16(f.gate_pre) || !aligned16(f.up_pre) || !aligned16(a.dx) || !aligned16(a.dw_gate) ||
+      !aligned16(a.dw_up) || !aligned16(a.dw_down))
+    return "mok cuda backward: tensors must be 16-byte aligned";
+  const bool has_shared = p.shared_ffn > 0;
+  if (has_shared && (!aligned16(f.ws_gate) || !aligned16(f.ws_up) || !aligned16(f.ws_down) ||
+                     !aligned16(f.shared_gate_pre) || !aligned16(f.shared_up_pre) || !aligned16(a.dws_gate) ||
+                     !aligned16(a.dws_up) || !aligned16(a.dws_down)))
+    return "mok cuda backward: shared-expert tensors must be 16-byte aligned";
+
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return "mok cuda backward: cannot query device";
+
+  const Layout L = make_layout(p);
+  uint8_t* ws = static_cast<uint8_t*>(workspace);
+  int32_t* tile_expert = reinterpret_cast<int32_t*>(ws + L.tile_expert);
+  float* part = reinterpret_cast<float*>(ws + L.part);
+  void* xs = ws + L.xs;
+  void* dys = ws + L.dys;
+  void* dg = ws + L.dg;
+  void* du = ws + L.du;
+  void* aw = ws + L.aw;
+  const int64_t R = p.row_capacity(), T = p.tokens, H = p.hidden, F = p.ffn, E = p.experts, Fs = p.shared_ffn;
+  const bool shared_rows = has_shared && T > 0;
+
+  auto mark = [&](int i) -> bool { return ev == nullptr || cudaEventRecord(ev->ev[i], stream) == cudaSuccess; };
+  if (!mark(0)) return "mok cuda backward: event record failed";
+
+  // 1. prep: tile -> expert, gathers (padding rows below expert_offsets[E] zeroed)
+  {
+    const int64_t tiles = R / 128;
+    tile_expert_kernel<<<static_cast<unsigned>((tiles + 255) / 256), 256, 0, stream>>>(
+        f.expert_offsets, static_cast<int>(E), tiles, tile_expert);
+    if (cudaGetLastError() != cudaSuccess) return "mok cuda backward: tile_expert launch failed";
+    if (const char* e = detail::launch_dispatch(p, f.x, f.row_pair, f.expert_offsets, xs, sms, stream)) return e;
+    if (const char* e = detail::launch_dispatch(p, a.dy, f.row_pair, f.expert_offsets, dys, sms, stream)) return e;
+  }
+  if (!mark(1)) return "mok cuda backward: event record failed";
+
+  // 2. dgrad-down + SwiGLU backward
+  {
+    DgradArgs g;
+    g.a0 = dys;
+    g.m_rows = R;
+    g.k = H;
+    g.b0 = f.w_down;  // [E, F, H] = [groups, n, k]
+    g.groups = E;
+    g.n = F;
+    g.tile_group = tile_expert;
+    g.gate_pre = f.gate_pre;
+    g.up_pre = f.up_pre;
+    g.row_pair = f.row_pair;
+    g.pair_weight = f.topk_weights;
+    g.out0 = dg;
+    g.out1 = du;
+    g.out2 = aw;
+    g.part = part;
+    if (const char* e = launch_dgrad_swiglu_bwd(g, sms, stream)) return e;
+  }
+  if (shared_rows) {
+    DgradArgs g;
+    g.a0 = a.dy;
+    g.m_rows = T;
+    g.k = H;
+    g.b0 = f.ws_down;  // [Fs, H]
+    g.groups = 1;
+    g.n = Fs;
+    g.gate_pre = f.shared_gate_pre;
+    g.up_pre = f.shared_up_pre;
+    g.row_mask = f.token_mask;
+    g.out0 = ws + L.sdg;
+    g.out1 = ws + L.sdu;
+    g.out2 = ws + L.saw;
+    if (const char* e = launch_dgrad_swiglu_bwd(g, sms, stream)) return e;
+  }
+  if (!mark(2)) return "mok cuda backward: event record failed";
+
+  // 3. weight gradients (K = each expert's padded rows; padding rows are zero)
+  {
+    WgradArgs w;
+    w.jobs = 3;
+    w.job[0] = WgradJob{xs, H, dg, F, a.dw_gate};
+    w.job[1] = WgradJob{xs, H, du, F, a.dw_up};
+    w.job[2] = WgradJob{aw, F, dys, H, a.dw_down};
+    w.rows = R;
+    w.groups = E;
+    w.offsets = f.expert_offsets;
+    if (const char* e = launch_wgrad(w, sms, stream)) return e;
+  }
+  if (shared_rows) {
+    WgradArgs w;
+    w.jobs = 3;
+    w.job[0] = WgradJob{f.x, H, ws + L.sdg, Fs, a.dws_gate};
+    w.job[1] = WgradJob{f.x, H, ws + L.sdu, Fs, a.dws_up};
+    w.job[2] = WgradJob{ws + L.saw, Fs, a.dy, H, a.dws_down};
+    w.rows = T;
+    w.groups = 1;
+    if (const char* e = launch_wgrad(w, sms, stream)) return e;
+  } else if (has_shared) {  // no tokens: exact zeros
+    const size_t bytes = static_cast<size_t>(H) * Fs * 2;
+    if (cudaMemsetAsync(a.dws_gate, 0, bytes, stream) != cudaSuccess ||
+        cudaMemsetAsync(a.dws_up, 0, bytes, stream) != cudaSuccess ||
+        cudaMemsetAsync(a.dws_down, 0, bytes, stream) != cudaSuccess)
+      return "mok cuda backward: memset failed";
+  }
+  if (!mark(3)) return "mok cuda backward: event record failed";
+
+  // 4. dxs = dg @ w_gate^T + du @ w_up^T  (into the dys buffer, no longer needed)
+  void* dxs = dys;
+  {
+    DgradArgs g;
+    g.a0 = dg;
+    g.a1 = du;
+    g.m_rows = R;
+    g.k = F;
+    g.b0 = f.w_gate;  // [E, H, F] = [groups, n, k]
+    g.b1 = f.w_up;
+    g.groups = E;
+    g.n = H;
+    g.tile_group = tile_expert;
+    g.out0 = dxs;
+    if (const char* e = launch_dgrad_sum2(g, sms, stream)) return e;
+  }
+  if (shared_rows) {
+    DgradArgs g;
+    g.a0 = ws + L.sdg;
+    g.a1 = ws + L.sdu;
+    g.m_rows = T;
+    g.k = Fs;
+    g.b0 = f.ws_gate;  // [H, Fs]
+    g.b1 = f.ws_up;
+    g.groups = 1;
+    g.n = H;
+    g.out0 = ws + L.sdx;
+    if (const char* e = launch_dgrad_sum2(g, sms, stream)) return e;
+  }
+  if (!mark(4)) return "mok cuda backward: event record failed";
+
+  // 5. combine dx and d_topk_weights
+  if (T > 0) {
+    if (p.top_k > kMaxK) return "mok cuda backward: top_k > 64 unsupported";
+    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(T, int64_t(sms) * 16)));
+    combine_bwd<<<grid, kCombThreads, 0, stream>>>(
+        T, H / 8, static_cast<int>(p.top_k), static_cast<int>(f_tiles(p)), f.token_mask, f.pair_row,
+        static_cast<const uint4*>(dxs), shared_rows ? static_cast<const uint4*>(static_cast<void*>(ws + L.sdx)) : nullptr,
+        part, static_cast<uint4*>(a.dx), a.d_topk_weights);
+    if (cudaGetLastError() != cudaSuccess) return "mok cuda backward: combine launch failed";
+  }
+  if (!mark(5)) return "mok cuda backward: event record failed";
+  return nullptr;
+}
+
+}  // namespace mok::cuda

@@ -1,0 +1,42 @@
+// CUDA (Hopper, sm_90a) backward of mok_jax: the math of backward_cpu.cc.
+//
+//   prep      : tile_expert from expert_offsets; gather x rows (xs) and dy rows
+//               (dys) into the expert-major padded rows (padding rows zero)
+//   dgrad-down: gd = dys @ w_down[e]^T with the SwiGLU-backward epilogue:
+//               dg, du, a_w = w * a (bf16) and per-256-column partial dots <gd, a>
+//   wgrad     : dW_gate[e] = xs_e^T dg_e, dW_up[e] = xs_e^T du_e,
+//               dW_down[e] = a_w,e^T dys_e  (one launch; K = the expert's rows)
+//   dgrad-gu  : dxs = dg @ w_gate[e]^T + du @ w_up[e]^T (one accumulator, K = 2F)
+//   combine   : dx[t] = sum_k dxs[pair_row[t,k]] (+ shared dx), fixed k order;
+//               d_topk_weights[p] = sum of the row's partial dots in tile order
+// The shared expert (Fs > 0) runs the same GEMMs over the T tokens with weight 1
+// (masked tokens: zero dg/du/a rows, so dy/x of masked tokens reach no gradient).
+// Every reduction has a fixed order and there are no float atomics: the results
+// are bitwise reproducible. Only DType::kBF16. No host sync, no allocation.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "plan.h"
+
+namespace mok::cuda {
+
+// Bytes of device scratch `backward` needs (0 = unsupported problem).
+size_t backward_workspace_bytes(const Problem& problem);
+
+// Optional per-stage timing: ev[0] start, ev[1] after prep+gathers, ev[2] after
+// the dgrad-down GEMMs, ev[3] after the wgrad GEMMs, ev[4] after the gate/up
+// dgrad GEMMs, ev[5] after combine.
+struct BackwardStageEvents {
+  cudaEvent_t ev[6];
+};
+
+// Runs the backward on `stream`. Returns nullptr on success, else a static
+// error string.
+const char* backward(const Problem& problem, const BackwardArgs& args, void* workspace, cudaStream_t stream,
+                     const BackwardStageEvents* stage_events = nullptr);
+
+}  // namespace mok::cuda

@@ -1,0 +1,515 @@
+// Backward GEMMs (see gemm_wgmma.cuh, "backward"): the forward's wgmma machinery
+// (TMA 128B-swizzle loads into a 4-stage mbarrier ring, 1 producer WG + 2
+// consumer WGs with setmaxnreg 40/232, persistent grid, 128x256 CTA tile of two
+// m64n256k16 accumulators) with three operand/epilogue variants:
+//   kSwiGLU : dgrad, A K-major, B K-major [groups, n, k] (trans-b 0), SwiGLU-backward
+//             epilogue (dg, du, w*a, per-tile partial dots of gd*a)
+//   kSum2   : dgrad, K over [A0 | A1] x [B0 | B1] (both K-major), plain store
+//   kWgrad  : A MN-major (trans-a 1), B MN-major (trans-b 1), K = the group's rows
+//             (offsets read on the device), plain store into out[g]
+// The forward kernels in gemm_wgmma.cu are untouched.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+
+#include "cuda_ptx.cuh"
+#include "gemm_wgmma.cuh"
+
+namespace mok::cuda {
+namespace {
+
+constexpr int kBM = 128;
+constexpr int kBN = 256;
+constexpr int kBK = 64;
+constexpr int kStages = 4;
+constexpr int kABytes = kBM * kBK * 2;  // 16 KB
+constexpr int kBBytes = kBK * kBN * 2;  // 32 KB
+constexpr int kChunk = 64 * 64 * 2;     // 8 KB: one MN-major 64x64 box
+constexpr int kStageBytes = kABytes + kBBytes;
+constexpr int kStgPitch = 64 * 2 + 16;
+constexpr int kStgWarpBytes = 16 * kStgPitch;
+constexpr int kSmemBytes = kStages * kStageBytes + 1024 + 256 + 8 * kStgWarpBytes;
+constexpr int kThreads = 384;
+constexpr int kConsumerWarps = 8;
+
+enum Mode : int { kSwiGLU = 0, kSum2 = 1, kWgrad = 2 };
+
+struct Maps {
+  // kSwiGLU: [0] A, [1] B.  kSum2: [0] A0, [1] B0, [2] A1, [3] B1.
+  // kWgrad: job j: [2j] A, [2j+1] B.
+  CUtensorMap m[6];
+};
+
+struct JobP {
+  int m, n, m_tiles, n_tiles, unit_begin;
+  __nv_bfloat16* out;
+};
+
+struct BParams {
+  // dgrad
+  int m_rows, n, k_blocks, kb_half, n_tiles, m_tiles;
+  const int32_t* tile_group;
+  const __nv_bfloat16* gate_pre;
+  const __nv_bfloat16* up_pre;
+  const int32_t* row_pair;
+  const float* pair_weight;
+  const uint8_t* row_mask;
+  __nv_bfloat16* out0;
+  __nv_bfloat16* out1;
+  __nv_bfloat16* out2;
+  float* part;
+  // wgrad
+  JobP job[3];
+  int jobs;
+  int rows;
+  const int32_t* offsets;
+  // both
+  int units;
+};
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// One work unit, decoded identically by producer and consumers.
+struct Unit {
+  bool skip;
+  int mt, nt, grp;    // grp: weight group (dgrad) or row group (wgrad)
+  int kb_count;       // K blocks
+  int row0;           // wgrad: first K row
+  int m, n;           // output extent (rows, cols) of this unit's matrix
+  int job;            // wgrad job
+};
+
+template <int kMode>
+__device__ __forceinline__ Unit decode(const BParams& p, int u) {
+  Unit x;
+  x.job = 0;
+  x.row0 = 0;
+  if (kMode != kWgrad) {
+    x.mt = u / p.n_tiles;
+    x.nt = u - x.mt * p.n_tiles;
+    x.grp = p.tile_group ? p.tile_group[x.mt] : 0;
+    x.skip = x.grp < 0;
+    x.kb_count = p.k_blocks;
+    x.m = p.m_rows;
+    x.n = p.n;
+  } else {
+    int j = 0;
+#pragma unroll
+    for (int i = 1; i < 3; ++i)
+      if (i < p.jobs && u >= p.job[i].unit_begin) j = i;
+    const JobP& jb = j == 0 ? p.job[0] : (j == 1 ? p.job[1] : p.job[2]);
+    const int v = u - jb.unit_begin;
+    const int per = jb.m_tiles * jb.n_tiles;
+    const int g = v / per;
+    const int r = v - g * per;
+    x.job = j;
+    x.grp = g;
+    x.mt = r / jb.n_tiles;
+    x.nt = r - x.mt * jb.n_tiles;
+    const int r0 = p.offsets ? p.offsets[g] : 0;
+    const int r1 = p.offsets ? p.offsets[g + 1] : p.rows;
+    x.row0 = r0;
+    x.kb_count = r1 > r0 ? (r1 - r0 + kBK - 1) / kBK : 0;
+    x.m = jb.m;
+    x.n = jb.n;
+    x.skip = false;
+  }
+  return x;
+}
+
+template <int kMode>
+__global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_constant__ Maps maps, const BParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty_bar = full_bar + kStages;
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(&full_bar[s], 1);
+      ptx::mbar_init(&empty_bar[s], kConsumerWarps);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ------------------------------------------------------------ producer
+    ptx::setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < (kMode == kSwiGLU ? 2 : (kMode == kSum2 ? 4 : 2 * p.jobs)); ++i)
+        ptx::tma_prefetch_desc(&maps.m[i]);
+      uint32_t it = 0;
+      for (int u = blockIdx.x; u < p.units; u += gridDim.x) {
+        const Unit x = decode<kMode>(p, u);
+        if (x.skip) continue;
+        for (int kb = 0; kb < x.kb_count; ++kb, ++it) {
+          const uint32_t s = it % kStages;
+          const uint32_t par = (it / kStages) & 1;
+          ptx::mbar_wait(&empty_bar[s], par ^ 1);
+          uint8_t* sa = smem + s * kStageBytes;
+          uint8_t* sb = sa + kABytes;
+          ptx::mbar_arrive_expect_tx(&full_bar[s], kStageBytes);
+          if (kMode == kWgrad) {
+            const CUtensorMap* ma = &maps.m[2 * x.job];
+            const CUtensorMap* mb = &maps.m[2 * x.job + 1];
+            const int r = x.row0 + kb * kBK;
+            ptx::tma_load_2d(sa, ma, x.mt * kBM, r, &full_bar[s]);
+            ptx::tma_load_2d(sa + kChunk, ma, x.mt * kBM + 64, r, &full_bar[s]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) ptx::tma_load_2d(sb + j * kChunk, mb, x.nt * kBN + j * 64, r, &full_bar[s]);
+          } else {
+            int kk = kb, h = 0;
+            if (kMode == kSum2 && kb >= p.kb_half) {
+              kk = kb - p.kb_half;
+              h = 1;
+            }
+            ptx::tma_load_2d(sa, &maps.m[2 * h], kk * kBK, x.mt * kBM, &full_bar[s]);
+            ptx::tma_load_3d(sb, &maps.m[2 * h + 1], kk * kBK, x.nt * kBN, x.grp, &full_bar[s]);
+          }
+        }
+      }
+    }
+  } else {
+    // ------------------------------------------------------------ consumers
+    ptx::setmaxnreg_inc<232>();
+    const int cw = wg - 1;
+    const int warp = (threadIdx.x / 32) & 3;
+    const int lane = threadIdx.x & 31;
+    uint8_t* stg = smem + kStages * kStageBytes + 256 + (cw * 4 + warp) * kStgWarpBytes;
+    float acc[128];
+    uint32_t it = 0;
+    for (int u = blockIdx.x; u < p.units; u += gridDim.x) {
+      const Unit x = decode<kMode>(p, u);
+      if (x.skip) continue;
+      if (x.kb_count == 0) {
+#pragma unroll
+        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+      }
+      uint32_t prev_s = 0;
+      for (int kb = 0; kb < x.kb_count; ++kb, ++it) {
+        const uint32_t s = it % kStages;
+        const uint32_t par = (it / kStages) & 1;
+        ptx::mbar_wait(&full_bar[s], par);
+        const uint32_t sa = ptx::smem_u32(smem + s * kStageBytes);
+        const uint32_t sb = sa + kABytes;
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          if (kMode == kWgrad) {
+            const uint64_t da = ptx::make_smem_desc_sw128(sa + cw * kChunk + kk * 2048, kChunk, 1024);
+            const uint64_t db = ptx::make_smem_desc_sw128(sb + kk * 2048, kChunk, 1024);
+            ptx::wgmma_m64n256k16_bf16<1, 1>(acc, da, db, (kb | kk) != 0);
+          } else {
+            const uint64_t da = ptx::make_smem_desc_sw128(sa + cw * (64 * 128) + kk * 32, 16, 1024);
+            const uint64_t db = ptx::make_smem_desc_sw128(sb + kk * 32, 16, 1024);
+            ptx::wgmma_m64n256k16_bf16<0, 0>(acc, da, db, (kb | kk) != 0);
+          }
+        }
+        ptx::wgmma_commit();
+        if (kb > 0) {
+          ptx::wgmma_wait<1>();
+          if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_s]);
+        }
+        prev_s = s;
+      }
+      ptx::wgmma_wait<0>();
+      if (x.kb_count > 0 && lane == 0) ptx::mbar_arrive(&empty_bar[prev_s]);
+#pragma unroll
+      for (int i = 0; i < 128; ++i) ptx::fence_operand(acc[i]);
+
+      // ---------------------------------------------------------- epilogue
+      const int wrow0 = x.mt * kBM + cw * 64 + warp * 16;
+      const int row0 = wrow0 + (lane >> 2);
+      const int colq = (lane & 3) * 2;
+      const int n_base = x.nt * kBN;
+      __nv_bfloat16* out0 = p.out0;
+      if (kMode == kWgrad) {
+        const JobP& jb = x.job == 0 ? p.job[0] : (x.job == 1 ? p.job[1] : p.job[2]);
+        out0 = jb.out + static_cast<size_t>(x.grp) * x.m * x.n;
+      }
+      bool keep[2];
+      float wrow[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + h * 8;
+        keep[h] = row < x.m;
+        wrow[h] = 1.0f;
+        if (kMode == kSwiGLU) {
+          if (p.row_pair != nullptr) {
+            const int pr = keep[h] ? p.row_pair[row] : -1;
+            keep[h] = pr >= 0;
+            wrow[h] = keep[h] ? p.pair_weight[pr] : 0.0f;
+          } else if (p.row_mask != nullptr && keep[h]) {
+            keep[h] = p.row_mask[row] != 0;
+          }
+        }
+      }
+      auto put = [&](int gg, int h, uint32_t v) {
+        *reinterpret_cast<uint32_t*>(stg + ((lane >> 2) + h * 8) * kStgPitch + gg * 16 + (lane & 3) * 4) = v;
+      };
+      auto flush = [&](__nv_bfloat16* out, int col0) {
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int idx = lane + 32 * i;
+          const int r = idx >> 3, c = idx & 7;
+          const int row = wrow0 + r, col = col0 + c * 8;
+          const uint4 v = *reinterpret_cast<const uint4*>(stg + r * kStgPitch + c * 16);
+          if (row < x.m && col < x.n) *reinterpret_cast<uint4*>(out + static_cast<size_t>(row) * x.n + col) = v;
+        }
+        __syncwarp();
+      };
+      if (kMode == kSwiGLU) {
+        float dot[2] = {0.f, 0.f};
+        // 8 chunks of 32 columns: dg -> staging cols [0, 32), du -> [32, 64), flushed
+        // together; then w*a -> [0, 32).
+#pragma unroll
+        for (int ch = 0; ch < 8; ++ch) {
+          uint32_t pa[4][2];
+#pragma unroll
+          for (int gg = 0; gg < 4; ++gg) {
+            const int col = n_base + ch * 32 + gg * 8 + colq;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int i = (ch * 4 + gg) * 4 + h * 2;
+              const int row = row0 + h * 8;
+              float g2[2] = {0.f, 0.f}, u2[2] = {0.f, 0.f};
+              const bool live = keep[h] && col < x.n;
+              if (live) {
+                const size_t off = static_cast<size_t>(row) * x.n + col;
+                const float2 gf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p.gate_pre + off));
+                const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p.up_pre + off));
+                g2[0] = gf.x, g2[1] = gf.y, u2[0] = uf.x, u2[1] = uf.y;
+              }
+              float dg[2], du[2], aw[2];
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const float g = g2[c], uu = u2[c], gd = acc[i + c];
+                const float sg = 1.0f / (1.0f + __expf(-g));
+                const float silu = g * sg;
+                const float a = bf16_round(silu * uu);
+                dot[h] += live ? gd * a : 0.0f;
+                const float da = wrow[h] * gd;
+                du[c] = da * silu;
+                dg[c] = da * uu * sg * (1.0f + g * (1.0f - sg));
+                aw[c] = wrow[h] * a;
+              }
+              put(gg, h, live ? pack_bf16x2(dg[0], dg[1]) : 0u);
+              put(4 + gg, h, live ? pack_bf16x2(du[0], du[1]) : 0u);
+              pa[gg][h] = live ? pack_bf16x2(aw[0], aw[1]) : 0u;
+            }
+          }
+          const int col0 = n_base + ch * 32;
+          __syncwarp();
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int idx = lane + 32 * i;
+            const int r = idx >> 3, c = idx & 7;
+            const int row = wrow0 + r, col = col0 + (c & 3) * 8;
+            const uint4 v = *reinterpret_cast<const uint4*>(stg + r * kStgPitch + c * 16);
+            if (row < x.m && col < x.n)
+              *reinterpret_cast<uint4*>((c < 4 ? p.out0 : p.out1) + static_cast<size_t>(row) * x.n + col) = v;
+          }
+          __syncwarp();
+#pragma unroll
+          for (int gg = 0; gg < 4; ++gg)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) put(gg, h, pa[gg][h]);
+          __syncwarp();
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int idx = lane + 32 * i;
+            const int r = idx >> 2, c = idx & 3;
+            const int row = wrow0 + r, col = col0 + c * 8;
+            const uint4 v = *reinterpret_cast<const uint4*>(stg + r * kStgPitch + c * 16);
+            if (row < x.m && col < x.n)
+              *reinterpret_cast<uint4*>(p.out2 + static_cast<size_t>(row) * x.n + col) = v;
+          }
+          __syncwarp();
+        }
+        // Quad reduction (fixed shuffle order): lanes 4q..4q+3 hold one row.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float d = dot[h];
+          d += __shfl_xor_sync(0xffffffffu, d, 1);
+          d += __shfl_xor_sync(0xffffffffu, d, 2);
+          const int row = row0 + h * 8;
+          if (p.part != nullptr && (lane & 3) == 0 && row < x.m)
+            p.part[static_cast<size_t>(row) * p.n_tiles + x.nt] = keep[h] ? d : 0.0f;
+        }
+      } else {
+#pragma unroll
+        for (int ch = 0; ch < 4; ++ch) {
+#pragma unroll
+          for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int i = (ch * 8 + gg) * 4 + h * 2;
+              put(gg, h, keep[h] ? pack_bf16x2(acc[i], acc[i + 1]) : 0u);
+            }
+          flush(out0, n_base + ch * 64);
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ host side
+PFN_cuTensorMapEncodeTiled_v12000 g_encode = nullptr;
+std::once_flag g_encode_once;
+
+PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+  std::call_once(g_encode_once, [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) ==
+            cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      g_encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  });
+  return g_encode;
+}
+
+// 2-D [rows, cols] bf16 row-major, box {box_c cols, box_r rows}.
+bool map_2d(CUtensorMap* m, const void* ptr, int64_t rows, int64_t cols, uint32_t box_c, uint32_t box_r) {
+  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+  cuuint32_t box[2] = {box_c, box_r};
+  cuuint32_t estr[2] = {1, 1};
+  return encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
+                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// 3-D [groups, n, k] bf16 (K-major B), box {64 k, 256 n, 1}.
+bool map_bk(CUtensorMap* m, const void* ptr, int64_t groups, int64_t n, int64_t k) {
+  cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(n), static_cast<cuuint64_t>(groups)};
+  cuuint64_t strides[2] = {static_cast<cuuint64_t>(k) * 2, static_cast<cuuint64_t>(k) * n * 2};
+  cuuint32_t box[3] = {kBK, kBN, 1};
+  cuuint32_t estr[3] = {1, 1, 1};
+  return encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(ptr), dims, strides, box, estr,
+                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool al16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+constexpr int64_t kMaxInt = (int64_t(1) << 31) - 1024;
+
+template <int kMode>
+const char* launch(const Maps& maps, const BParams& p, int num_sms, cudaStream_t stream) {
+  auto* kern = bwd_gemm_kernel<kMode>;
+  static std::atomic<int> attr_done{0};
+  if (attr_done.load() == 0) {
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+      return "mok cuda bwd gemm: cudaFuncSetAttribute failed";
+    attr_done.store(1);
+  }
+  if (p.units <= 0) return nullptr;
+  const int grid = std::max(1, std::min(p.units, num_sms));
+  bwd_gemm_kernel<kMode><<<grid, kThreads, kSmemBytes, stream>>>(maps, p);
+  if (cudaGetLastError() != cudaSuccess) return "mok cuda bwd gemm: kernel launch failed";
+  return nullptr;
+}
+
+const char* dgrad_common(const DgradArgs& a, bool sum2, Maps& maps, BParams& p) {
+  if (a.m_rows <= 0) return "empty";
+  if (a.k <= 0 || a.n <= 0 || a.k % 8 != 0 || a.n % 8 != 0) return "mok cuda bwd gemm: k and n must be positive multiples of 8";
+  if (a.m_rows > kMaxInt || a.k > kMaxInt || a.n > kMaxInt || a.groups > kMaxInt || a.groups <= 0)
+    return "mok cuda bwd gemm: dimension too large";
+  if (!al16(a.a0) || !al16(a.b0) || !al16(a.out0) || (sum2 && (!al16(a.a1) || !al16(a.b1))))
+    return "mok cuda bwd gemm: pointers must be 16-byte aligned";
+  if (encoder() == nullptr) return "mok cuda bwd gemm: cuTensorMapEncodeTiled unavailable";
+  std::memset(&maps, 0, sizeof(maps));
+  if (!map_2d(&maps.m[0], a.a0, a.m_rows, a.k, kBK, kBM) || !map_bk(&maps.m[1], a.b0, a.groups, a.n, a.k))
+    return "mok cuda bwd gemm: tensor map encode failed";
+  if (sum2 && (!map_2d(&maps.m[2], a.a1, a.m_rows, a.k, kBK, kBM) || !map_bk(&maps.m[3], a.b1, a.groups, a.n, a.k)))
+    return "mok cuda bwd gemm: tensor map encode failed";
+  std::memset(&p, 0, sizeof(p));
+  const int64_t kb = (a.k + kBK - 1) / kBK;
+  const int64_t n_tiles = (a.n + kBN - 1) / kBN;
+  const int64_t m_tiles = (a.m_rows + kBM - 1) / kBM;
+  if (n_tiles * m_tiles > kMaxInt) return "mok cuda bwd gemm: too many tiles";
+  p.m_rows = static_cast<int>(a.m_rows);
+  p.n = static_cast<int>(a.n);
+  p.kb_half = static_cast<int>(kb);
+  p.k_blocks = static_cast<int>(sum2 ? 2 * kb : kb);
+  p.n_tiles = static_cast<int>(n_tiles);
+  p.m_tiles = static_cast<int>(m_tiles);
+  p.tile_group = a.tile_group;
+  p.units = static_cast<int>(n_tiles * m_tiles);
+  p.out0 = static_cast<__nv_bfloat16*>(a.out0);
+  return nullptr;
+}
+
+}  // namespace
+
+const char* launch_dgrad_swiglu_bwd(const DgradArgs& a, int num_sms, cudaStream_t stream) {
+  Maps maps;
+  BParams p;
+  if (const char* e = dgrad_common(a, false, maps, p)) return e[0] == 'e' ? nullptr : e;
+  if (!al16(a.out1) || !al16(a.out2) || a.gate_pre == nullptr || a.up_pre == nullptr ||
+      (a.row_pair != nullptr && a.pair_weight == nullptr))
+    return "mok cuda bwd gemm: bad SwiGLU-backward arguments";
+  p.gate_pre = static_cast<const __nv_bfloat16*>(a.gate_pre);
+  p.up_pre = static_cast<const __nv_bfloat16*>(a.up_pre);
+  p.row_pair = a.row_pair;
+  p.pair_weight = a.pair_weight;
+  p.row_mask = a.row_mask;
+  p.out1 = static_cast<__nv_bfloat16*>(a.out1);
+  p.out2 = static_cast<__nv_bfloat16*>(a.out2);
+  p.part = a.part;
+  return launch<kSwiGLU>(maps, p, num_sms, stream);
+}
+
+const char* launch_dgrad_sum2(const DgradArgs& a, int num_sms, cudaStream_t stream) {
+  Maps maps;
+  BParams p;
+  if (const char* e = dgrad_common(a, true, maps, p)) return e[0] == 'e' ? nullptr : e;
+  return launch<kSum2>(maps, p, num_sms, stream);
+}
+
+const char* launch_wgrad(const WgradArgs& a, int num_sms, cudaStream_t stream) {
+  if (a.jobs < 1 || a.jobs > 3) return "mok cuda wgrad: 1..3 jobs";
+  if (a.rows <= 0) return "mok cuda wgrad: no rows";
+  if (a.rows > kMaxInt || a.groups <= 0 || a.groups > kMaxInt) return "mok cuda wgrad: dimension too large";
+  if (encoder() == nullptr) return "mok cuda wgrad: cuTensorMapEncodeTiled unavailable";
+  Maps maps;
+  BParams p;
+  std::memset(&maps, 0, sizeof(maps));
+  std::memset(&p, 0, sizeof(p));
+  int64_t units = 0;
+  for (int j = 0; j < a.jobs; ++j) {
+    const WgradJob& jb = a.job[j];
+    if (jb.m <= 0 || jb.n <= 0 || jb.m % 8 != 0 || jb.n % 8 != 0 || jb.m > kMaxInt || jb.n > kMaxInt)
+      return "mok cuda wgrad: m and n must be positive multiples of 8";
+    if (!al16(jb.a) || !al16(jb.b) || !al16(jb.out)) return "mok cuda wgrad: pointers must be 16-byte aligned";
+    if (!map_2d(&maps.m[2 * j], jb.a, a.rows, jb.m, 64, 64) || !map_2d(&maps.m[2 * j + 1], jb.b, a.rows, jb.n, 64, 64))
+      return "mok cuda wgrad: tensor map encode failed";
+    JobP& q = p.job[j];
+    q.m = static_cast<int>(jb.m);
+    q.n = static_cast<int>(jb.n);
+    q.m_tiles = static_cast<int>((jb.m + kBM - 1) / kBM);
+    q.n_tiles = static_cast<int>((jb.n + kBN - 1) / kBN);
+    q.unit_begin = static_cast<int>(units);
+    q.out = static_cast<__nv_bfloat16*>(jb.out);
+    units += a.groups * q.m_tiles * q.n_tiles;
+    if (units > kMaxInt) return "mok cuda wgrad: too many tiles";
+  }
+  p.jobs = a.jobs;
+  p.rows = static_cast<int>(a.rows);
+  p.offsets = a.offsets;
+  p.units = static_cast<int>(units);
+  return launch<kWgrad>(maps, p, num_sms, stream);
+}
+
+}  // namespace mok::cuda

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One device call for the CUDA backward: standalone build, SASS check, correctness,
+# timing (backward + forward), compute-sanitizer, Python build + GPU pytest.
+# Usage (GPU host, repo root): bash tests/cuda/gpu_session_bwd.sh [steps...]
+#   steps default: build sass corr timing fwd memcheck racecheck pytest
+set -uo pipefail
+out="${OUT:-/tmp/mok_bwd_out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+B=/tmp/mok_bwd_build
+steps="${*:-build sass corr timing fwd memcheck racecheck pytest}"
+has() { [[ " $steps " == *" $1 "* ]]; }
+summary=()
+step() {  # step NAME TIMEOUT CMD...
+  local name="$1" to="$2"; shift 2
+  local t0=$SECONDS
+  timeout -s KILL "$to" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -v '^\s*$' "$out/$name.log" | tail -n 1 | cut -c1-150)")")
+  return $rc
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
+if has pytest; then
+  (python3 -m pip install --no-build-isolation --no-deps -e . > "$out/pip.log" 2>&1; echo $? > /tmp/pip.rc) &
+  pip_pid=$!
+fi
+if has build; then
+  step build 240 env OUTDIR=$B BUILD_ONLY=1 bash tests/cuda/build_and_run_backward.sh || { tail -40 "$out/build.log"; }
+fi
+if has sass; then
+  { echo "HGMMA per kernel (gemm_wgmma_bwd.o):";
+    cuobjdump --dump-sass $B/lib/gemm_wgmma_bwd.o | awk '/Function :/{f=$3} /HGMMA/{c[f]++} END{for(k in c) print c[k], k}';
+    echo "HGMMA total forward gemm_wgmma.o: $(cuobjdump --dump-sass $B/lib/gemm_wgmma.o | grep -c HGMMA)";
+    echo "LDL/STL in bwd: $(cuobjdump --dump-sass $B/lib/gemm_wgmma_bwd.o | grep -cE 'LDL|STL')";
+    grep -h -B1 -A3 "bwd_gemm_kernel" $B/gemm_wgmma_bwd.ptxas.txt | grep -E "registers|spill|smem" ; } > "$out/sass.txt" 2>&1
+fi
+has corr && step corr 90 $B/backward_standalone --correctness
+has timing && step timing 90 $B/backward_standalone --timing --iters 30
+has timing_shared && step timing_sh 180 $B/backward_standalone --timing-shared --iters 20
+has fwd && step fwd 60 $B/forward_standalone --timing --iters 20
+has memcheck && step memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 $B/backward_standalone --case odd_dims
+has racecheck && step racecheck 60 compute-sanitizer --tool racecheck --error-exitcode 9 $B/backward_standalone --case tiny
+if has pytest; then
+  wait $pip_pid
+  summary+=("pip rc=$(cat /tmp/pip.rc)")
+  if [ "$(cat /tmp/pip.rc)" = "0" ]; then
+    step pytest 130 python3 -m pytest -m gpu -q -x tests/test_gpu.py -k "backward or gradients"
+  else
+    tail -30 "$out/pip.log"
+  fi
+fi
+echo "================ summary"
+cat "$out/gpu.txt" 2>/dev/null
+cat "$out/sass.txt" 2>/dev/null
+[ -f "$out/corr.log" ] && grep -E "FAIL|correctness:" "$out/corr.log" | cut -c1-260
+[ -f "$out/timing.log" ] && grep -E "median|prep|bench|TFLOP" "$out/timing.log" | cut -c1-260
+[ -f "$out/timing_sh.log" ] && grep -E "median|prep|incl" "$out/timing_sh.log" | cut -c1-260
+[ -f "$out/fwd.log" ] && grep -E "total|schedule|correctness:" "$out/fwd.log" | cut -c1-200
+[ -f "$out/memcheck.log" ] && grep -E "ERROR SUMMARY|RESULT" "$out/memcheck.log"
+[ -f "$out/racecheck.log" ] && grep -E "RACECHECK SUMMARY|ERROR SUMMARY|RESULT" "$out/racecheck.log"
+[ -f "$out/pytest.log" ] && grep -E "passed|failed|Error" "$out/pytest.log" | tail -8
+printf '%s\n' "${summary[@]}"
