@@ -274,6 +274,21 @@ def test_eager_call_without_jit():
     np.testing.assert_array_equal(y1, y0)
 
 
+def test_under_checkpoint():
+    """jax.checkpoint around the mesh layer: the same gradients (its custom_vjp
+    keeps only the inputs, so there is nothing extra to save or recompute)."""
+    E, K, T = 8, 2, 32
+    x, router, wg, wu, wd, sh = make_problem(T, H, F, E, shared_ffn=FS)
+    mesh = _mesh((4,), ("expert",))
+    loss = lambda x, wg: jnp.sum(mok_jax.moe_layer(
+        x, router, wg, wu, wd, top_k=K, shared_experts=sh, mesh=mesh,
+        expert_axis="expert")[0] ** 2)
+    g0 = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, wg)
+    g1 = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(x, wg)
+    for a, b in zip(g1, g0):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_bad_meshes_and_options():
     E, K, T = 6, 2, 32
     x, router, wg, wu, wd, _ = make_problem(T, H, F, E)
