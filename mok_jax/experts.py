@@ -14,10 +14,18 @@ from . import _validate as V
 from .reference import experts_xla
 
 
-def _empty_shared(x):
+# jax 0.11.2's Shardy pass segfaults (ManualComputationUnusedInputsPattern) on
+# zero-size operands of an FFI call run eagerly inside shard_map; fixed in
+# 0.12. There, "no shared expert" is sent as a zero-weight shared expert of
+# width 8 instead of width 0: it adds exact zeros (~8/(k*F) extra FLOPs).
+_ZERO_SIZE_OPERANDS_CRASH = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 12)
+
+
+def _empty_shared(x, in_shard_map):
     H = x.shape[1]
-    z = jnp.zeros((H, 0), x.dtype)
-    return z, z, jnp.zeros((0, H), x.dtype)
+    Fs = 8 if (in_shard_map and _ZERO_SIZE_OPERANDS_CRASH) else 0
+    z = jnp.zeros((H, Fs), x.dtype)
+    return z, z, jnp.zeros((Fs, H), x.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -151,7 +159,9 @@ def experts(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, shared_experts=N
 def _run(impl, x2, ids2, w2, mask2, w_gate, w_up, w_down, shared):
     if impl == "xla":
         return experts_xla(x2, ids2, w2, mask2, w_gate, w_up, w_down, shared)
-    wsg, wsu, wsd = shared if shared is not None else _empty_shared(x2)
+    if shared is None:
+        shared = _empty_shared(x2, bool(_ffi.varying_axes([x2, ids2, w2, w_gate])))
+    wsg, wsu, wsd = shared
     # Inside shard_map: make every input vary like the most-varying one
     # *before* the custom_vjp, so replicated weights get psum'd cotangents.
     inputs, _ = _ffi.reconcile_varying(
