@@ -21,11 +21,11 @@ from .reference import experts_xla
 _ZERO_SIZE_OPERANDS_CRASH = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 12)
 
 
-def _empty_shared(x, in_shard_map):
-    H = x.shape[1]
+def empty_shared(H, dtype, in_shard_map):
+    """The (ws_gate, ws_up, ws_down) that stand for "no shared expert"."""
     Fs = 8 if (in_shard_map and _ZERO_SIZE_OPERANDS_CRASH) else 0
-    z = jnp.zeros((H, Fs), x.dtype)
-    return z, z, jnp.zeros((Fs, H), x.dtype)
+    z = jnp.zeros((H, Fs), dtype)
+    return z, z, jnp.zeros((Fs, H), dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -52,7 +52,7 @@ def _experts_ffi_bwd(platform, saved, dy):
     (dy, *inputs), _ = _ffi.reconcile_varying([dy, *inputs])
     if platform == "cuda" and not _ffi.cuda_backward_built():
         # Until the backward megakernel lands: JAX's VJP of the reference.
-        _, vjp = jax.vjp(lambda *a: _xla_flat(*a), *inputs)
+        _, vjp = jax.vjp(xla_flat, *inputs)
         grads = vjp(dy)
         dx, _, dw, _, dwg, dwu, dwd, dwsg, dwsu, dwsd = grads
     else:
@@ -64,7 +64,8 @@ def _experts_ffi_bwd(platform, saved, dy):
 _experts_ffi.defvjp(_experts_ffi_fwd, _experts_ffi_bwd)
 
 
-def _xla_flat(x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
+def xla_flat(x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
+    """The XLA reference on the FFI kernels' flat argument list."""
     shared = None if wsg.shape[1] == 0 else (wsg, wsu, wsd)
     return experts_xla(x, ids, weights, mask.astype(bool), wg, wu, wd, shared)
 
@@ -160,7 +161,8 @@ def _run(impl, x2, ids2, w2, mask2, w_gate, w_up, w_down, shared):
     if impl == "xla":
         return experts_xla(x2, ids2, w2, mask2, w_gate, w_up, w_down, shared)
     if shared is None:
-        shared = _empty_shared(x2, bool(_ffi.varying_axes([x2, ids2, w2, w_gate])))
+        in_shard_map = bool(_ffi.varying_axes([x2, ids2, w2, w_gate]))
+        shared = empty_shared(x2.shape[1], x2.dtype, in_shard_map)
     wsg, wsu, wsd = shared
     # Inside shard_map: make every input vary like the most-varying one
     # *before* the custom_vjp, so replicated weights get psum'd cotangents.

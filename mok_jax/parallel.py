@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _ffi
 from . import _validate as V
-from .reference import experts_xla
+from .experts import empty_shared, xla_flat
 
 DISPATCH_MODES = ("auto", "collective", "peer")
 ISSUE = "issue 5 (expert parallelism)"
@@ -104,19 +104,14 @@ def _resolve_impl(implementation, dtype, dims, platform):
 # The per-rank local kernel (inputs as in experts._experts_ffi).
 
 def _empty_shared(H, dtype):
-    z = jnp.zeros((H, 0), dtype)
-    return z, z, jnp.zeros((0, H), dtype)
-
-
-def _xla_flat(x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
-    shared = None if wsg.shape[1] == 0 else (wsg, wsu, wsd)
-    return experts_xla(x, ids, weights, mask.astype(bool), wg, wu, wd, shared)
+    # Rank bodies always run inside shard_map (see experts.empty_shared).
+    return empty_shared(H, dtype, True)
 
 
 def _local_forward(impl, inputs):
     inputs, _ = _ffi.reconcile_varying(list(inputs))
     if impl == "xla":
-        return _xla_flat(*inputs)
+        return xla_flat(*inputs)
     return _ffi.forward_call(impl, inputs)[0]
 
 
@@ -125,7 +120,7 @@ def _local_backward(impl, dy, inputs):
     kernel, recomputing its forward residuals (nothing is kept per round)."""
     (dy, *inputs), _ = _ffi.reconcile_varying([dy, *inputs])
     if impl == "xla" or (impl == "cuda" and not _ffi.cuda_backward_built()):
-        _, vjp = jax.vjp(_xla_flat, *inputs)
+        _, vjp = jax.vjp(xla_flat, *inputs)
         g = vjp(dy)
         return g[0], g[2], *g[4:]
     _, *residuals = _ffi.forward_call(impl, inputs)
@@ -350,8 +345,10 @@ def _ep_mesh(cfg, *inputs):
 
 def _ep_mesh_fwd(cfg, *inputs):
     specs = _specs(cfg)
-    f = jax.shard_map(partial(rank_forward, cfg), mesh=cfg.mesh, in_specs=specs,
-                      out_specs=specs[0])
+    # jit: an eager shard_map would compile each op alone (and jax 0.11.2's
+    # Shardy pass crashes on some of those single-op computations).
+    f = jax.jit(jax.shard_map(partial(rank_forward, cfg), mesh=cfg.mesh, in_specs=specs,
+                              out_specs=specs[0]))
     return f(*inputs), inputs
 
 
@@ -368,8 +365,8 @@ def _mesh_rank_backward(cfg, dy, *inputs):
 def _ep_mesh_bwd(cfg, inputs, dy):
     specs = _specs(cfg)
     out_specs = (specs[0], specs[2], *specs[4:])
-    f = jax.shard_map(partial(_mesh_rank_backward, cfg), mesh=cfg.mesh,
-                      in_specs=(specs[0], *specs), out_specs=out_specs)
+    f = jax.jit(jax.shard_map(partial(_mesh_rank_backward, cfg), mesh=cfg.mesh,
+                              in_specs=(specs[0], *specs), out_specs=out_specs))
     dx, dw, gg, gu, gd, gsg, gsu, gsd = f(dy, *inputs)
     return dx, None, dw, None, gg, gu, gd, gsg, gsu, gsd
 
