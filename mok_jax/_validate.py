@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -98,3 +101,43 @@ def check_token_mask(token_mask, x):
         raise TypeError(f"token_mask has dtype {token_mask.dtype}; expected bool "
                         "(True = real token, False = padding)")
     return token_mask
+
+
+class FlatExperts(NamedTuple):
+    """`experts` arguments checked and flattened to T = prod(x.shape[:-1]) rows."""
+    x: object         # the original x (its shape is the output's)
+    x2: object        # [T, H]
+    ids2: object      # [T, K] int32
+    w2: object        # [T, K] float32
+    mask2: object     # [T] bool
+    shared: object    # None or (ws_gate, ws_up, ws_down)
+    dims: tuple       # (E, H, F, K, T)
+
+
+def flatten_experts_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_experts,
+                         token_mask):
+    """The checks of `experts` (shared by the expert-parallel entry points)."""
+    x = jnp.asarray(x)
+    topk_ids = jnp.asarray(topk_ids)
+    topk_weights = jnp.asarray(topk_weights)
+    check_float("x", x)
+    if x.ndim < 1:
+        raise ValueError(f"x must be [..., H], got shape {tuple(x.shape)}")
+    E, H, F = check_expert_weights(x, w_gate, w_up, w_down)
+    lead = x.shape[:-1]
+    if topk_ids.ndim != x.ndim or topk_ids.shape[:-1] != lead:
+        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected "
+                         f"{tuple(lead)} + (K,) (x's leading axes, then top_k)")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer dtype")
+    check_shape("topk_weights", topk_weights, topk_ids.shape, "same as topk_ids")
+    K = topk_ids.shape[-1]
+    if K < 1:
+        raise ValueError("topk_ids must have at least one expert per token (K >= 1)")
+    token_mask = check_token_mask(token_mask, x)
+    shared = normalize_shared(shared_experts, x)
+    T = math.prod(lead)
+    mask2 = jnp.ones((T,), bool) if token_mask is None else token_mask.reshape(T)
+    return FlatExperts(x, x.reshape(T, H), topk_ids.reshape(T, K).astype(jnp.int32),
+                       topk_weights.reshape(T, K).astype(jnp.float32), mask2, shared,
+                       (E, H, F, K, T))

@@ -122,35 +122,10 @@ def experts(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, shared_experts=N
       ValueError / TypeError at trace time for bad shapes, dtypes or options;
       an error naming ``topk_ids`` at run time for ids outside ``[0, E)``.
     """
-    x = jnp.asarray(x)
-    topk_ids = jnp.asarray(topk_ids)
-    topk_weights = jnp.asarray(topk_weights)
-    V.check_float("x", x)
-    if x.ndim < 1:
-        raise ValueError(f"x must be [..., H], got shape {tuple(x.shape)}")
-    E, H, F = V.check_expert_weights(x, w_gate, w_up, w_down)
-    lead = x.shape[:-1]
-    if topk_ids.ndim != x.ndim or topk_ids.shape[:-1] != lead:
-        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected "
-                         f"{tuple(lead)} + (K,) (x's leading axes, then top_k)")
-    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
-        raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer dtype")
-    V.check_shape("topk_weights", topk_weights, topk_ids.shape, "same as topk_ids")
-    K = topk_ids.shape[-1]
-    if K < 1:
-        raise ValueError("topk_ids must have at least one expert per token (K >= 1)")
-    token_mask = V.check_token_mask(token_mask, x)
-    shared = V.normalize_shared(shared_experts, x)
+    x, x2, ids2, w2, mask2, shared, (E, H, F, K, T) = V.flatten_experts_args(
+        x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_experts, token_mask)
     Fs = 0 if shared is None else shared[0].shape[1]
     impl = resolve_implementation(implementation, x.dtype, (H, F, Fs, K))
-
-    T = 1
-    for d in lead:
-        T *= d
-    x2 = x.reshape(T, H)
-    ids2 = topk_ids.reshape(T, K).astype(jnp.int32)
-    w2 = topk_weights.reshape(T, K).astype(jnp.float32)
-    mask2 = jnp.ones((T,), bool) if token_mask is None else token_mask.reshape(T)
     if T == 0:
         return jnp.zeros(x.shape, x.dtype)
     with jax.named_scope(f"mok_experts_{impl}"):

@@ -379,28 +379,11 @@ _ep_mesh.defvjp(_ep_mesh_fwd, _ep_mesh_bwd)
 
 def _check_common(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_experts,
                   token_mask):
-    x = jnp.asarray(x)
-    topk_ids = jnp.asarray(topk_ids)
-    topk_weights = jnp.asarray(topk_weights)
-    V.check_float("x", x)
-    if x.ndim < 1:
-        raise ValueError(f"x must be [..., H], got shape {tuple(x.shape)}")
-    E_l, H, F = V.check_expert_weights(x, w_gate, w_up, w_down)
-    lead = x.shape[:-1]
-    if topk_ids.ndim != x.ndim or topk_ids.shape[:-1] != lead:
-        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected "
-                         f"{tuple(lead)} + (K,) (x's leading axes, then top_k)")
-    V.check_shape("topk_weights", topk_weights, topk_ids.shape, "same as topk_ids")
-    K = topk_ids.shape[-1]
-    token_mask = V.check_token_mask(token_mask, x)
-    shared = V.normalize_shared(shared_experts, x)
-    T = math.prod(lead)
-    x2 = x.reshape(T, H)
-    ids2 = topk_ids.reshape(T, K).astype(jnp.int32)
-    w2 = topk_weights.reshape(T, K).astype(jnp.float32)
-    mask2 = jnp.ones((T,), bool) if token_mask is None else token_mask.reshape(T)
-    wsg, wsu, wsd = shared if shared is not None else _empty_shared(H, x.dtype)
-    return x, (x2, ids2, w2, mask2, w_gate, w_up, w_down, wsg, wsu, wsd), (E_l, H, F, K, T)
+    f = V.flatten_experts_args(x, topk_ids, topk_weights, w_gate, w_up, w_down,
+                               shared_experts, token_mask)
+    E_l, H, F, K, T = f.dims
+    wsg, wsu, wsd = f.shared if f.shared is not None else _empty_shared(H, f.x.dtype)
+    return f.x, (f.x2, f.ids2, f.w2, f.mask2, w_gate, w_up, w_down, wsg, wsu, wsd), f.dims
 
 
 def mesh_axes(mesh, expert_axis, token_axes):

@@ -3,7 +3,6 @@ kernel's own check of ids it cannot see at trace time."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import mok_jax

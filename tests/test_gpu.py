@@ -13,7 +13,7 @@ import pytest
 import mok_jax
 from mok_jax import _ffi
 import numpy_reference as npref
-from helpers import assert_close, fresh_key, make_problem, rel_l2
+from helpers import assert_close, fresh_key, make_problem
 
 pytestmark = pytest.mark.gpu
 BF16 = jnp.bfloat16

@@ -3,11 +3,10 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import mok_jax
-from helpers import assert_close, fresh_key, make_problem
+from helpers import assert_close, make_problem
 
 
 def _loss(impl, K=2):
