@@ -63,27 +63,22 @@ void load_rows(DType dtype, const void* src, int64_t begin, int64_t n, int64_t w
 
 }  // namespace
 
-std::string backward_cpu(const Problem& prob, const BackwardArgs& a) {
+std::string backward_cpu(const Problem& prob, const BackwardArgs& a, const ParallelFor& pfor) {
   const ForwardArgs& f = a.fwd;
   const int64_t T = prob.tokens, H = prob.hidden, F = prob.ffn, E = prob.experts,
                 K = prob.top_k, Fs = prob.shared_ffn, R = prob.row_capacity();
   for (int64_t p = 0; p < T * K; ++p) a.d_topk_weights[p] = 0.0f;
 
   std::vector<float> dx_rows(static_cast<size_t>(R * H), 0.0f);
-  std::vector<float> dwg(static_cast<size_t>(H * F)), dwu(dwg.size()), dwd(dwg.size());
-  std::vector<float> scale, dscale;
-  SegmentBuffers b;
-  for (int64_t e = 0; e < E; ++e) {
+  pfor(E, [&](int64_t e) {  // one expert per item: disjoint rows, pairs and dW slices
     const int64_t begin = f.expert_offsets[e];
     const int64_t n = segment_real_rows(f.row_pair, begin, f.expert_offsets[e + 1]);
-    if (n == 0) {  // no tokens: exact zero gradients
-      std::fill(dwg.begin(), dwg.end(), 0.0f);
-      std::fill(dwu.begin(), dwu.end(), 0.0f);
-      std::fill(dwd.begin(), dwd.end(), 0.0f);
-    } else {
+    std::vector<float> dwg(static_cast<size_t>(H * F), 0.0f), dwu(dwg.size(), 0.0f),
+        dwd(dwg.size(), 0.0f);  // no tokens: exact zero gradients
+    if (n > 0) {
+      SegmentBuffers b;
       b.resize(n, H, F);
-      scale.resize(static_cast<size_t>(n));
-      dscale.resize(static_cast<size_t>(n));
+      std::vector<float> scale(static_cast<size_t>(n)), dscale(static_cast<size_t>(n));
       gather_rows_cpu(prob, f.x, f.row_pair, begin, n, b.xs.data());
       for (int64_t i = 0; i < n; ++i) {
         const int64_t p = f.row_pair[begin + i];
@@ -103,10 +98,11 @@ std::string backward_cpu(const Problem& prob, const BackwardArgs& a) {
     from_f32(prob.dtype, dwg.data(), elem_ptr(prob.dtype, a.dw_gate, e * H * F), H * F);
     from_f32(prob.dtype, dwu.data(), elem_ptr(prob.dtype, a.dw_up, e * H * F), H * F);
     from_f32(prob.dtype, dwd.data(), elem_ptr(prob.dtype, a.dw_down, e * F * H), F * H);
-  }
+  });
 
   std::vector<float> dx_shared;
   if (Fs > 0) {
+    SegmentBuffers b;
     // Masked tokens produced exact zeros, so their dy must not reach any gradient.
     b.resize(T, H, Fs);
     for (int64_t t = 0; t < T; ++t) {

@@ -37,7 +37,7 @@ std::vector<float> shared_forward(const Problem& prob, const ForwardArgs& a) {
 
 }  // namespace
 
-std::string forward_cpu(const Problem& prob, const ForwardArgs& a) {
+std::string forward_cpu(const Problem& prob, const ForwardArgs& a, const ParallelFor& pfor) {
   const int64_t H = prob.hidden, F = prob.ffn, E = prob.experts, R = prob.row_capacity();
   std::string err = build_schedule_cpu(prob, a.topk_ids, a.token_mask, a.expert_offsets,
                                        a.row_pair, a.pair_row);
@@ -53,15 +53,12 @@ std::string forward_cpu(const Problem& prob, const ForwardArgs& a) {
   }
 
   std::vector<float> out_rows(static_cast<size_t>(R * H), 0.0f);
-  std::vector<float> xs, g, u, act;
-  for (int64_t e = 0; e < E; ++e) {
+  pfor(E, [&](int64_t e) {  // one expert segment per item: disjoint rows
     const int64_t begin = a.expert_offsets[e];
     const int64_t n = segment_real_rows(a.row_pair, begin, a.expert_offsets[e + 1]);
-    if (n == 0) continue;
-    xs.resize(static_cast<size_t>(n * H));
-    g.resize(static_cast<size_t>(n * F));
-    u.resize(g.size());
-    act.resize(g.size());
+    if (n == 0) return;
+    std::vector<float> xs(static_cast<size_t>(n * H)), g(static_cast<size_t>(n * F)),
+        u(g.size()), act(g.size());
     gather_rows_cpu(prob, a.x, a.row_pair, begin, n, xs.data());
     const F32Slice wg(prob.dtype, a.w_gate, e * H * F, H * F);
     const F32Slice wu(prob.dtype, a.w_up, e * H * F, H * F);
@@ -72,7 +69,7 @@ std::string forward_cpu(const Problem& prob, const ForwardArgs& a) {
     from_f32(prob.dtype, u.data(), elem_ptr(prob.dtype, a.up_pre, begin * F), n * F);
     swiglu_forward_cpu(prob.dtype, n * F, g.data(), u.data(), act.data());
     gemm_nn(n, H, F, act.data(), F, wd.data(), H, out_rows.data() + begin * H, H, false);
-  }
+  });
 
   const std::vector<float> shared = shared_forward(prob, a);
   combine_rows_cpu(prob, a.topk_weights, a.pair_row, out_rows.data(),
