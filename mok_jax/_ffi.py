@@ -41,12 +41,6 @@ def cuda_built() -> bool:
     return _mok_cuda is not None
 
 
-def cuda_backward_built() -> bool:
-    """True once the CUDA backward target is registered; without it,
-    implementation='cuda' differentiates through the XLA reference."""
-    return _mok_cuda is not None and "mok_experts_bwd_cuda" in _mok_cuda.registrations()
-
-
 def cuda_unsupported_reason(dtype, H, F, Fs, K):
     """Why the CUDA kernels cannot take this problem (None when they can)."""
     if np.dtype(dtype) != jnp.bfloat16:

@@ -50,14 +50,7 @@ def _experts_ffi_fwd(platform, *inputs):
 def _experts_ffi_bwd(platform, saved, dy):
     inputs, residuals = saved
     (dy, *inputs), _ = _ffi.reconcile_varying([dy, *inputs])
-    if platform == "cuda" and not _ffi.cuda_backward_built():
-        # Until the backward megakernel lands: JAX's VJP of the reference.
-        _, vjp = jax.vjp(xla_flat, *inputs)
-        grads = vjp(dy)
-        dx, _, dw, _, dwg, dwu, dwd, dwsg, dwsu, dwsd = grads
-    else:
-        dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd = _ffi.backward_call(
-            platform, dy, inputs, residuals)
+    dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd = _ffi.backward_call(platform, dy, inputs, residuals)
     return dx, None, dw, None, dwg, dwu, dwd, dwsg, dwsu, dwsd
 
 

@@ -77,8 +77,7 @@ def collect():
         "devices": [str(d) for d in jax.devices()],
         "ffi": {
             "cpu": {"built": True, "registered": cpu_targets, "tile_rows": _ffi.TILE_ROWS},
-            "cuda": {"built": _ffi.cuda_built(), "registered": cuda_targets,
-                     "backward_kernel": _ffi.cuda_backward_built()},
+            "cuda": {"built": _ffi.cuda_built(), "registered": cuda_targets},
         },
         "gpus": gpus,
         "cuda_usable": reason is None,
@@ -98,9 +97,7 @@ def format_info(info):
         f"FFI cpu : built, registered: {', '.join(ffi['cpu']['registered'])}",
     ]
     if ffi["cuda"]["built"]:
-        bwd = "yes" if ffi["cuda"]["backward_kernel"] else "no (backward runs through the XLA reference)"
-        lines.append(f"FFI cuda: built, registered: {', '.join(ffi['cuda']['registered'])}; "
-                     f"backward kernel: {bwd}")
+        lines.append(f"FFI cuda: built, registered: {', '.join(ffi['cuda']['registered'])}")
     else:
         lines.append("FFI cuda: not built")
     if info["gpus"]:

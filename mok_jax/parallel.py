@@ -119,7 +119,7 @@ def _local_backward(impl, dy, inputs):
     """(dx, d_topk_weights, dwg, dwu, dwd, dwsg, dwsu, dwsd) of the local
     kernel, recomputing its forward residuals (nothing is kept per round)."""
     (dy, *inputs), _ = _ffi.reconcile_varying([dy, *inputs])
-    if impl == "xla" or (impl == "cuda" and not _ffi.cuda_backward_built()):
+    if impl == "xla":
         _, vjp = jax.vjp(xla_flat, *inputs)
         g = vjp(dy)
         return g[0], g[2], *g[4:]

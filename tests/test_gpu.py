@@ -98,7 +98,7 @@ def test_cuda_forward_edge_cases(kind):
         assert np.all(np.asarray(y.astype(jnp.float32))[~np.asarray(mask)] == 0)
 
 
-def test_cuda_layer_gradients_through_the_xla_backward():
+def test_cuda_layer_gradients_match_xla():
     x, router, wg, wu, wd, _ = make_problem(1000, 256, 384, 16, BF16)
 
     def loss(impl):
@@ -129,7 +129,7 @@ def _grad_fn(impl, mask):
 def _check_cuda_grads(x, ids, w, wg, wu, wd, shared=None, mask=None):
     """Gradients of <y, cot> through the CUDA backward against JAX's VJP of the
     float32 XLA reference on upcast inputs; bitwise reproducible across runs."""
-    assert _ffi.cuda_backward_built()
+    assert "mok_experts_bwd_cuda" in _ffi._mok_cuda.registrations()
     T, H = x.shape
     cot = jax.random.normal(fresh_key(), (T, H), jnp.float32)
     fn = _grad_fn("cuda", mask)
