@@ -17,13 +17,11 @@
 #include <algorithm>
 
 #include "forward_cuda.h"
+#include "cuda_problem.h"
 #include "gemm_wgmma.cuh"
 
 namespace mok::cuda {
 namespace {
-
-constexpr size_t kAlign = 256;
-size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
 struct Layout {
   size_t tile_expert, part, xs, dys, dg, du, aw, sdg, sdu, saw, sdx, total;
@@ -33,12 +31,8 @@ int64_t f_tiles(const Problem& p) { return (p.ffn + 255) / 256; }
 
 Layout make_layout(const Problem& p) {
   Layout L{};
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    const size_t o = off;
-    off += align_up(bytes);
-    return o;
-  };
+  WorkspaceCarver ws;
+  auto take = [&](size_t bytes) { return ws.take(bytes); };
   const size_t R = static_cast<size_t>(p.row_capacity());
   const size_t H = static_cast<size_t>(p.hidden), F = static_cast<size_t>(p.ffn);
   const size_t T = static_cast<size_t>(p.tokens), Fs = static_cast<size_t>(p.shared_ffn);
@@ -55,24 +49,9 @@ Layout make_layout(const Problem& p) {
     L.saw = take(T * Fs * 2);
     L.sdx = take(T * H * 2);
   }
-  L.total = off;
+  L.total = ws.total();
   return L;
 }
-
-const char* validate(const Problem& p) {
-  if (p.dtype != DType::kBF16) return "mok cuda backward: only bf16 is supported on CUDA";
-  if (p.tile_rows != 128) return "mok cuda backward: tile_rows must be 128";
-  if (p.tokens < 0 || p.hidden <= 0 || p.ffn <= 0 || p.experts <= 0 || p.top_k <= 0 || p.shared_ffn < 0)
-    return "mok cuda backward: bad problem dimensions";
-  if (p.hidden % 8 != 0 || p.ffn % 8 != 0 || p.shared_ffn % 8 != 0)
-    return "mok cuda backward: H, F and Fs must be multiples of 8";
-  if (p.top_k > 64) return "mok cuda backward: top_k > 64 unsupported";
-  if (p.row_capacity() >= (int64_t(1) << 31) - 256 || p.pairs() >= (int64_t(1) << 31))
-    return "mok cuda backward: too many rows";
-  return nullptr;
-}
-
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
 // tile_expert[t] = the expert whose padded segment holds rows [128 t, 128 t + 128),
 // -1 past expert_offsets[E].
@@ -159,13 +138,13 @@ __global__ void __launch_bounds__(kCombThreads) combine_bwd(int64_t T, int64_t v
 }  // namespace
 
 size_t backward_workspace_bytes(const Problem& problem) {
-  if (validate(problem) != nullptr) return 0;
+  if (unsupported_problem(problem) != nullptr) return 0;
   return make_layout(problem).total;
 }
 
 const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, cudaStream_t stream,
                      const BackwardStageEvents* ev) {
-  if (const char* e = validate(p)) return e;
+  if (const char* e = unsupported_problem(p)) return e;
   if (workspace == nullptr || !aligned16(workspace)) return "mok cuda backward: workspace missing or misaligned";
   const ForwardArgs& f = a.fwd;
   if (!aligned16(a.dy) || !aligned16(f.x) || !aligned16(f.w_gate) || !aligned16(f.w_up) || !aligned16(f.w_down) ||

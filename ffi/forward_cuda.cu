@@ -14,13 +14,11 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda_problem.h"
 #include "gemm_wgmma.cuh"
 
 namespace mok::cuda {
 namespace {
-
-constexpr size_t kAlign = 256;
-size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
 struct Layout {
   size_t flags, hist, counts, tile_expert, xg, act, shared_act, shared_out, total;
@@ -28,12 +26,8 @@ struct Layout {
 
 Layout make_layout(const Problem& p) {
   Layout L{};
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    const size_t o = off;
-    off += align_up(bytes);
-    return o;
-  };
+  WorkspaceCarver ws;
+  auto take = [&](size_t bytes) { return ws.take(bytes); };
   const size_t R = static_cast<size_t>(p.row_capacity());
   const size_t E = static_cast<size_t>(p.experts);
   L.flags = take(4 * sizeof(int32_t));
@@ -48,29 +42,14 @@ Layout make_layout(const Problem& p) {
   } else {
     L.shared_act = L.shared_out = 0;
   }
-  L.total = off;
+  L.total = ws.total();
   return L;
 }
-
-const char* validate(const Problem& p) {
-  if (p.dtype != DType::kBF16) return "mok cuda forward: only bf16 is supported on CUDA";
-  if (p.tile_rows != 128) return "mok cuda forward: tile_rows must be 128";
-  if (p.tokens < 0 || p.hidden <= 0 || p.ffn <= 0 || p.experts <= 0 || p.top_k <= 0 || p.shared_ffn < 0)
-    return "mok cuda forward: bad problem dimensions";
-  if (p.hidden % 8 != 0 || p.ffn % 8 != 0 || p.shared_ffn % 8 != 0)
-    return "mok cuda forward: H, F and Fs must be multiples of 8";
-  if (p.top_k > 64) return "mok cuda forward: top_k > 64 unsupported";
-  if (p.row_capacity() >= (int64_t(1) << 31) - 256 || p.pairs() >= (int64_t(1) << 31))
-    return "mok cuda forward: too many rows";
-  return nullptr;
-}
-
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
 }  // namespace
 
 size_t forward_workspace_bytes(const Problem& problem) {
-  if (validate(problem) != nullptr) return 0;
+  if (unsupported_problem(problem) != nullptr) return 0;
   return make_layout(problem).total;
 }
 
@@ -78,7 +57,7 @@ size_t forward_workspace_flags_offset(const Problem& problem) { return make_layo
 
 const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cudaStream_t stream,
                     const ForwardStageEvents* ev) {
-  if (const char* e = validate(p)) return e;
+  if (const char* e = unsupported_problem(p)) return e;
   if (workspace == nullptr || !aligned16(workspace)) return "mok cuda forward: workspace missing or misaligned";
   if (!aligned16(a.x) || !aligned16(a.y) || !aligned16(a.w_gate) || !aligned16(a.w_up) || !aligned16(a.w_down) ||
       !aligned16(a.gate_pre) || !aligned16(a.up_pre))

@@ -73,7 +73,7 @@ def experts_xla(x, topk_ids, topk_weights, token_mask, w_gate, w_up, w_down, sha
     out = _swiglu_ffn(rows, w_gate, w_up, w_down, grouped)[row].reshape(T, K, H)
     w = jnp.where(token_mask[:, None], topk_weights.astype(jnp.float32), 0.0)
     y = jnp.zeros((T, H), jnp.float32)
-    if shared is not None:  # the kernels' accumulator starts from the shared expert
+    if shared is not None:  # the CPU kernel's accumulator starts from the shared expert
         xs = jnp.where(token_mask[:, None], x, jnp.zeros((), x.dtype))
         dense = lambda r, w: jnp.dot(r, w, precision=jax.lax.Precision.HIGHEST,
                                      preferred_element_type=jnp.float32)
