@@ -163,8 +163,67 @@ def torch_peers(data, warmup, iters):
 
 
 def git_commit():
+    """Short commit of the checkout; MOK_JAX_COMMIT when there is no .git (a
+    source archive copied to a GPU host)."""
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
                                        text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return "unknown"
+        return os.environ.get("MOK_JAX_COMMIT", "unknown")
+
+
+# ------------------------------------------------------------ memory of a training step
+def jax_residual_bytes(f, args):
+    """Bytes the forward of f keeps for its backward, beyond f's own inputs: the
+    leaves of jax.vjp's closure, minus any leaf with an input's shape and dtype
+    (the inputs themselves, which a training step holds anyway)."""
+    _, vjp = jax.jit(lambda *a: jax.vjp(f, *a))(*args)
+    sigs = [(tuple(a.shape), a.dtype) for a in args]
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(vjp):
+        sig = (tuple(leaf.shape), leaf.dtype)
+        if sig in sigs:
+            sigs.remove(sig)
+            continue
+        total += leaf.size * leaf.dtype.itemsize
+    return int(total)
+
+
+def jax_step_peak_bytes(step, args):
+    """Peak device bytes one compiled call of step(*args) needs beyond its
+    arguments (outputs + XLA temporaries, from the executable's memory analysis)."""
+    ma = jax.jit(step).lower(*args).compile().memory_analysis()
+    if ma is None:
+        return None
+    return int(ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
+
+
+def torch_saved_bytes(fwd, leaves):
+    """Bytes autograd saves for the backward of fwd() beyond the leaf tensors
+    (distinct storages seen by saved_tensors_hooks)."""
+    import torch
+    skip = {t.untyped_storage().data_ptr() for t in leaves}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fwd()
+    del y
+    return int(sum(seen.values()))
+
+
+def torch_step_peak_bytes(step):
+    """Peak bytes torch's allocator holds during step() beyond what it held before
+    (the inputs live in JAX's allocator and are not counted on either side)."""
+    import torch
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated() - base)

@@ -47,14 +47,16 @@ import mok_jax
 from mok_jax import _ffi
 
 try:  # python -m benchmarks.run
-    from .common import (HERE, SHAPES, bench_dense_jax, git_commit, jax_peak_bytes, median_ms,
-                         torch_available, torch_dense_tflops, torch_moe_forward, torch_problem,
-                         torch_timed, useful_flops, weights)
+    from .common import (HERE, SHAPES, bench_dense_jax, git_commit, jax_peak_bytes,
+                         jax_residual_bytes, jax_step_peak_bytes, median_ms, torch_available,
+                         torch_dense_tflops, torch_moe_forward, torch_problem, torch_saved_bytes,
+                         torch_step_peak_bytes, torch_timed, useful_flops, weights)
 except ImportError:  # python benchmarks/run.py
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import (HERE, SHAPES, bench_dense_jax, git_commit, jax_peak_bytes, median_ms,
-                        torch_available, torch_dense_tflops, torch_moe_forward, torch_problem,
-                        torch_timed, useful_flops, weights)
+    from common import (HERE, SHAPES, bench_dense_jax, git_commit, jax_peak_bytes,
+                        jax_residual_bytes, jax_step_peak_bytes, median_ms, torch_available,
+                        torch_dense_tflops, torch_moe_forward, torch_problem, torch_saved_bytes,
+                        torch_step_peak_bytes, torch_timed, useful_flops, weights)
 
 CPU_SHAPES = {
     "cpu-s": ("cpu-s", 512, 128, 256, 8, 2),
@@ -163,6 +165,28 @@ def jax_pass_fn(impl, pass_, data, probe):
     _, vjp = jax.jit(lambda *a: jax.vjp(f, *a))(*diff)
     g = jax.jit(lambda vjp, dy: vjp(dy))
     return lambda: jax.block_until_ready(g(vjp, probe))
+
+
+def jax_memory(impl, data, probe):
+    """(residual bytes kept between forward and backward, peak bytes of a
+    forward+backward step beyond its inputs) of mok_jax.experts."""
+    x, ids, w, wg, wu, wd = data
+    f = lambda x, w, wg, wu, wd: mok_jax.experts(x, ids, w, wg, wu, wd, implementation=impl)
+    diff = (x, w, wg, wu, wd)
+    step = lambda *a: jax.vjp(f, *a)[1](probe)
+    return jax_residual_bytes(f, diff), jax_step_peak_bytes(step, diff)
+
+
+def torch_memory(data, probe):
+    """The same two figures for torch._grouped_mm + autograd."""
+    import torch
+    x, ids, w, wg, wu, wd = torch_problem(data)
+    dy = torch.from_dlpack(probe)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+    fwd = lambda: torch_moe_forward(leaves[0], ids, *leaves[1:])
+    saved = torch_saved_bytes(fwd, leaves)
+    peak = torch_step_peak_bytes(lambda: torch.autograd.grad(fwd(), leaves, dy))
+    return saved, peak
 
 
 def torch_pass_ms(pass_, data, probe, warmup, iters):
@@ -275,6 +299,11 @@ def run(args):
                                 row["rel_l2_vs_xla"] = rel_l2(y.astype(jnp.float32),
                                                               y_ref.astype(jnp.float32))
                     row.update(ms=ms, tflops=flops / ms / 1e9)
+                    if pass_ == "fwd+bwd" and kind == "router" and not args.no_memory:
+                        saved, peak = (torch_memory(data, probe) if impl == "torch"
+                                       else jax_memory(impl, data, probe))
+                        row.update(residual_bytes=saved, residual_bytes_per_row=saved / (T * K),
+                                   step_peak_bytes=peak)
                 except Exception as err:  # keep going: one failing peer must not lose the run
                     row.update(ms=None, tflops=None, error=f"{type(err).__name__}: {err}"[:300])
                 rows.append(row)
@@ -288,13 +317,16 @@ def run(args):
 
 def print_table(result, stream=sys.stdout):
     rows = result["rows"]
-    print("\n| shape | routing | imbalance | impl | pass | ms | TFLOP/s |", file=stream)
-    print("|---|---|---|---|---|---|---|", file=stream)
+    print("\n| shape | routing | imbalance | impl | pass | ms | TFLOP/s | residual B/row "
+          "| step peak GiB |", file=stream)
+    print("|---|---|---|---|---|---|---|---|---|", file=stream)
     for r in rows:
         ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"
         tf = "-" if r["tflops"] is None else f"{r['tflops']:.3f}"
+        rb = f"{r['residual_bytes_per_row']:.0f}" if r.get("residual_bytes_per_row") else ""
+        pk = f"{r['step_peak_bytes'] / 2**30:.2f}" if r.get("step_peak_bytes") else ""
         print(f"| {r['shape']} | {r['routing']} | {r['imbalance']:.2f} | {r['impl']} | "
-              f"{r['pass']} | {ms} | {tf} |", file=stream)
+              f"{r['pass']} | {ms} | {tf} | {rb} | {pk} |", file=stream)
 
 
 def plot(result, out_dir, tag):
@@ -390,6 +422,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--tag", default=None, help="file prefix (default: cpu or gpu)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the residual-bytes / step-peak measurement of fwd+bwd rows")
     args = p.parse_args(argv)
     tag = args.tag or ("cpu" if jax.default_backend() == "cpu" else "gpu")
     result = run(args)

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "combine_row.cuh"
 #include "forward_cuda.h"
 
 namespace mok::cuda::detail {
@@ -14,16 +15,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kMaxK = 64;
-
-__device__ __forceinline__ void acc8(float (&a)[8], const uint4& v, float w) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    a[2 * i] += w * f.x;
-    a[2 * i + 1] += w * f.y;
-  }
-}
 
 __global__ void __launch_bounds__(kThreads) combine_tokens(int64_t T, int64_t vec_per_row, int K,
                                                            const uint8_t* __restrict__ mask,
@@ -52,17 +43,10 @@ __global__ void __launch_bounds__(kThreads) combine_tokens(int64_t T, int64_t ve
       for (int i = 0; i < 8; ++i) a[i] = 0.f;
       for (int k = 0; k < K; ++k) {
         const int32_t r = rows[k];
-        if (r >= 0) acc8(a, __ldg(out + int64_t(r) * vec_per_row + c), ws[k]);
+        if (r >= 0) combine_acc8(a, __ldg(out + int64_t(r) * vec_per_row + c), ws[k]);
       }
-      if (shared_out) acc8(a, __ldg(shared_out + t * vec_per_row + c), 1.0f);
-      uint4 o;
-      uint32_t* op = reinterpret_cast<uint32_t*>(&o);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        __nv_bfloat162 b = __floats2bfloat162_rn(a[2 * i], a[2 * i + 1]);
-        op[i] = *reinterpret_cast<uint32_t*>(&b);
-      }
-      yrow[c] = o;
+      if (shared_out) combine_acc8(a, __ldg(shared_out + t * vec_per_row + c), 1.0f);
+      yrow[c] = combine_pack8(a);
     }
   }
 }

@@ -5,14 +5,18 @@
 //   hist         int32[slots * E]   slots = 8 * ceil(T*K / 4096)
 //   counts       int32[E]
 //   tile_expert  int32[R / 128]
-//   xg / out     bf16[R, H]   gathered x rows; reused for the down output
+//   staged:      xg / out  bf16[R, H]   gathered x rows; reused for the down output
+//   persistent:  ring      bf16[ring_rows, H]   the ring token buffer
+//                out       bf16[R, H]           down output (read by the combine)
+//                counters  int32[8 + 2 * ceil(R / minibatch_rows)]
 //   act          bf16[R, F]   silu(gate) * up
 //   shared_act   bf16[T, Fs]  (Fs > 0 only)
 //   shared_out   bf16[T, H]   (Fs > 0 only)
-// Total ~= 2*R*(H + F) + [Fs > 0] * 2*T*(Fs + H) + 4*(slots*E + E + R/128) bytes.
 #include "forward_cuda.h"
 
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "cuda_problem.h"
 #include "gemm_wgmma.cuh"
@@ -21,43 +25,61 @@ namespace mok::cuda {
 namespace {
 
 struct Layout {
-  size_t flags, hist, counts, tile_expert, xg, act, shared_act, shared_out, total;
+  size_t flags, hist, counts, tile_expert, xg, ring, counters, act, shared_act, shared_out, total;
+  bool persistent;
+  MegakernelPlan plan;
 };
 
-Layout make_layout(const Problem& p) {
+// nullptr or an error (bad knobs).
+const char* make_layout(const Problem& p, const MegakernelConfig& cfg, Layout* out) {
   Layout L{};
+  L.persistent = cfg.persistent != 0;
+  if (L.persistent) {
+    if (const char* e = resolve_megakernel(p, cfg, &L.plan)) return e;
+  }
   WorkspaceCarver ws;
   auto take = [&](size_t bytes) { return ws.take(bytes); };
   const size_t R = static_cast<size_t>(p.row_capacity());
   const size_t E = static_cast<size_t>(p.experts);
+  const size_t H = static_cast<size_t>(p.hidden);
   L.flags = take(4 * sizeof(int32_t));
   L.hist = take(static_cast<size_t>(detail::schedule_slots(p)) * E * sizeof(int32_t));
   L.counts = take(E * sizeof(int32_t));
   L.tile_expert = take(R / static_cast<size_t>(p.tile_rows) * sizeof(int32_t));
-  L.xg = take(R * static_cast<size_t>(p.hidden) * 2);
+  L.xg = take(R * H * 2);
+  if (L.persistent) {
+    L.ring = take(static_cast<size_t>(L.plan.ring_rows) * H * 2);
+    L.counters = take(L.plan.counter_bytes);
+  }
   L.act = take(R * static_cast<size_t>(p.ffn) * 2);
   if (p.shared_ffn > 0) {
     L.shared_act = take(static_cast<size_t>(p.tokens) * static_cast<size_t>(p.shared_ffn) * 2);
-    L.shared_out = take(static_cast<size_t>(p.tokens) * static_cast<size_t>(p.hidden) * 2);
-  } else {
-    L.shared_act = L.shared_out = 0;
+    L.shared_out = take(static_cast<size_t>(p.tokens) * H * 2);
   }
   L.total = ws.total();
-  return L;
+  *out = L;
+  return nullptr;
 }
 
 }  // namespace
 
-size_t forward_workspace_bytes(const Problem& problem) {
-  if (unsupported_problem(problem) != nullptr) return 0;
-  return make_layout(problem).total;
+size_t forward_workspace_bytes(const Problem& problem, const MegakernelConfig& cfg) {
+  Layout L;
+  if (unsupported_problem(problem) != nullptr || make_layout(problem, cfg, &L) != nullptr) return 0;
+  return L.total;
 }
 
-size_t forward_workspace_flags_offset(const Problem& problem) { return make_layout(problem).flags; }
+size_t forward_workspace_flags_offset(const Problem& problem, const MegakernelConfig& cfg) {
+  Layout L;
+  if (make_layout(problem, cfg, &L) != nullptr) return 0;
+  return L.flags;
+}
 
 const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cudaStream_t stream,
-                    const ForwardStageEvents* ev) {
+                    const ForwardStageEvents* ev, const MegakernelConfig& cfg) {
   if (const char* e = unsupported_problem(p)) return e;
+  Layout L;
+  if (const char* e = make_layout(p, cfg, &L)) return e;
   if (workspace == nullptr || !aligned16(workspace)) return "mok cuda forward: workspace missing or misaligned";
   if (!aligned16(a.x) || !aligned16(a.y) || !aligned16(a.w_gate) || !aligned16(a.w_up) || !aligned16(a.w_down) ||
       !aligned16(a.gate_pre) || !aligned16(a.up_pre))
@@ -71,7 +93,6 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
     return "mok cuda forward: cannot query device";
 
-  const Layout L = make_layout(p);
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   int32_t* flags = reinterpret_cast<int32_t*>(ws + L.flags);
   int32_t* hist = reinterpret_cast<int32_t*>(ws + L.hist);
@@ -92,11 +113,68 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
     return e;
   if (!mark(1)) return "mok cuda forward: event record failed";
 
-  // 2. dispatch
+  // 2. the shared expert (Fs > 0): staged GEMMs over all T tokens
+  if (has_shared && p.tokens > 0) {
+    GroupedGemmArgs g;
+    g.a = a.x;
+    g.m_rows = p.tokens;
+    g.k = p.hidden;
+    g.b0 = a.ws_gate;
+    g.b1 = a.ws_up;
+    g.groups = 1;
+    g.n = p.shared_ffn;
+    g.row_mask = a.token_mask;
+    g.out0 = a.shared_gate_pre;
+    g.out1 = a.shared_up_pre;
+    g.out2 = shared_act;
+    if (const char* e = launch_grouped_gemm(GemmEpilogue::kGateUpSwiGLU, g, sms, stream)) return e;
+    GroupedGemmArgs d;
+    d.a = shared_act;
+    d.m_rows = p.tokens;
+    d.k = p.shared_ffn;
+    d.b0 = a.ws_down;
+    d.groups = 1;
+    d.n = p.hidden;
+    d.out0 = shared_out;
+    if (const char* e = launch_grouped_gemm(GemmEpilogue::kStore, d, sms, stream)) return e;
+  }
+  void* out = xg;  // the routed down output
+
+  if (L.persistent) {
+    // 3. the megakernel: dispatch -> gate/up + SwiGLU -> down -> combine
+    MegakernelArgs m;
+    m.peer_x[0] = a.x;  // the peer-pointer table of EP = 1
+    m.num_peers = 1;
+    m.tokens_per_peer = std::max<int64_t>(1, p.tokens);
+    m.expert_offsets = a.expert_offsets;
+    m.tile_expert = tile_expert;
+    m.row_pair = a.row_pair;
+    m.pair_row = a.pair_row;
+    m.topk_weights = a.topk_weights;
+    m.token_mask = a.token_mask;
+    m.w_gate = a.w_gate;
+    m.w_up = a.w_up;
+    m.w_down = a.w_down;
+    m.ring = ws + L.ring;
+    m.gate_pre = a.gate_pre;
+    m.up_pre = a.up_pre;
+    m.act = act;
+    m.routed_out = out;
+    m.shared_out = shared_out;
+    m.y = a.y;
+    m.counters = reinterpret_cast<int32_t*>(ws + L.counters);
+    m.flags = flags;
+    if (!mark(2)) return "mok cuda forward: event record failed";
+    if (const char* e = launch_megakernel_forward(p, L.plan, m, sms, stream)) return e;
+    if (!mark(3) || !mark(4) || !mark(5)) return "mok cuda forward: event record failed";
+    return nullptr;
+  }
+
+  // 3. dispatch
   if (const char* e = detail::launch_dispatch(p, a.x, a.row_pair, a.expert_offsets, xg, sms, stream)) return e;
   if (!mark(2)) return "mok cuda forward: event record failed";
 
-  // 3. gate/up + SwiGLU (routed, then shared)
+  // 4. gate/up + SwiGLU
   {
     GroupedGemmArgs g;
     g.a = xg;
@@ -113,25 +191,9 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
     g.zero_unused_tiles = true;
     if (const char* e = launch_grouped_gemm(GemmEpilogue::kGateUpSwiGLU, g, sms, stream)) return e;
   }
-  if (has_shared && p.tokens > 0) {
-    GroupedGemmArgs g;
-    g.a = a.x;
-    g.m_rows = p.tokens;
-    g.k = p.hidden;
-    g.b0 = a.ws_gate;
-    g.b1 = a.ws_up;
-    g.groups = 1;
-    g.n = p.shared_ffn;
-    g.row_mask = a.token_mask;
-    g.out0 = a.shared_gate_pre;
-    g.out1 = a.shared_up_pre;
-    g.out2 = shared_act;
-    if (const char* e = launch_grouped_gemm(GemmEpilogue::kGateUpSwiGLU, g, sms, stream)) return e;
-  }
   if (!mark(3)) return "mok cuda forward: event record failed";
 
-  // 4. down (routed output reuses the xg buffer)
-  void* out = xg;
+  // 5. down (the routed output reuses the xg buffer)
   {
     GroupedGemmArgs g;
     g.a = act;
@@ -144,20 +206,9 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
     g.out0 = out;
     if (const char* e = launch_grouped_gemm(GemmEpilogue::kStore, g, sms, stream)) return e;
   }
-  if (has_shared && p.tokens > 0) {
-    GroupedGemmArgs g;
-    g.a = shared_act;
-    g.m_rows = p.tokens;
-    g.k = p.shared_ffn;
-    g.b0 = a.ws_down;
-    g.groups = 1;
-    g.n = p.hidden;
-    g.out0 = shared_out;
-    if (const char* e = launch_grouped_gemm(GemmEpilogue::kStore, g, sms, stream)) return e;
-  }
   if (!mark(4)) return "mok cuda forward: event record failed";
 
-  // 5. combine
+  // 6. combine
   if (const char* e = detail::launch_combine(p, a.token_mask, a.pair_row, a.topk_weights, out, shared_out, a.y, sms,
                                              stream))
     return e;

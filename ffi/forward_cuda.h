@@ -1,9 +1,14 @@
 // CUDA (Hopper, sm_90a) forward path of mok_jax.
 //
-//   schedule (schedule.cu) -> dispatch (dispatch.cu) -> gate/up grouped wgmma GEMM
-//   with fused SwiGLU epilogue (gemm_wgmma.cu) -> down grouped GEMM -> combine
-//   (combine.cu); the shared expert (Fs > 0) reuses the same GEMMs as one extra
-//   group whose rows are all T tokens.
+//   schedule (schedule.cu, small prepare kernels), then either
+//   * persistent (the default): one megakernel (megakernel_fwd.cu) with
+//     dispatch CTAs filling a ring token buffer, compute CTAs running gate/up
+//     (SwiGLU fused) and down tiles in ticket order, and the combine; or
+//   * staged (MegakernelConfig::persistent = 0): dispatch (dispatch.cu) ->
+//     gate/up grouped wgmma GEMM with fused SwiGLU (gemm_wgmma.cu) -> down
+//     grouped GEMM -> combine (combine.cu).
+//   The shared expert (Fs > 0) runs first as staged GEMMs over all T tokens;
+//   both paths give bitwise the same results.
 //
 // Only DType::kBF16 is supported. All temporaries live in `workspace`
 // (forward_workspace_bytes(problem) bytes, 256-byte aligned). No host sync.
@@ -14,18 +19,19 @@
 
 #include <cuda_runtime.h>
 
+#include "megakernel_fwd.cuh"
 #include "plan.h"
 
 namespace mok::cuda {
 
 // Bytes of device scratch `forward` needs for this problem.
-size_t forward_workspace_bytes(const Problem& problem);
+size_t forward_workspace_bytes(const Problem& problem, const MegakernelConfig& cfg = {});
 
 // Byte offset (inside the workspace) of an int32 status word that `forward`
 // sets on the device: bit 0 = some unmasked token had a top-k id outside
 // [0, E) (that pair was treated as not routed). Reading it needs a copy/sync,
 // which `forward` never does itself.
-size_t forward_workspace_flags_offset(const Problem& problem);
+size_t forward_workspace_flags_offset(const Problem& problem, const MegakernelConfig& cfg = {});
 
 // Optional per-stage timing (for benchmarks): when non-null, `forward` records
 // ev[0] before the schedule, ev[1] after it, ev[2] after dispatch, ev[3] after
@@ -36,8 +42,9 @@ struct ForwardStageEvents {
 
 // Runs the forward on `stream`. Returns nullptr on success, else a static
 // error string.
+// With the megakernel, events 2-4 are recorded together after it.
 const char* forward(const Problem& problem, const ForwardArgs& args, void* workspace, cudaStream_t stream,
-                    const ForwardStageEvents* stage_events = nullptr);
+                    const ForwardStageEvents* stage_events = nullptr, const MegakernelConfig& cfg = {});
 
 namespace detail {
 // Stage launchers (internal; see the .cu files).

@@ -11,27 +11,62 @@
 #include <mutex>
 
 #include "cuda_ptx.cuh"
+#include "gemm_tile.cuh"
 
 namespace mok::cuda {
+
+// ------------------------------------------------------------------ host side
+namespace {
+PFN_cuTensorMapEncodeTiled_v12000 g_encode = nullptr;
+std::once_flag g_encode_once;
+}  // namespace
+
+PFN_cuTensorMapEncodeTiled_v12000 get_encoder() {
+  std::call_once(g_encode_once, [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) ==
+            cudaSuccess &&
+        q == cudaDriverEntryPointSuccess) {
+      g_encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }
+  });
+  return g_encode;
+}
+
+bool make_map_a(CUtensorMap* m, const void* ptr, int64_t rows, int64_t k) {
+  cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(k) * 2};
+  cuuint32_t box[2] = {tile::kBK, tile::kBM};
+  cuuint32_t estr[2] = {1, 1};
+  return get_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
+                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool make_map_b(CUtensorMap* m, const void* ptr, int64_t groups, int64_t k, int64_t n) {
+  cuuint64_t dims[3] = {static_cast<cuuint64_t>(n), static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(groups)};
+  cuuint64_t strides[2] = {static_cast<cuuint64_t>(n) * 2, static_cast<cuuint64_t>(k) * n * 2};
+  cuuint32_t box[3] = {64, tile::kBK, 1};
+  cuuint32_t estr[3] = {1, 1, 1};
+  return get_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(ptr), dims, strides, box, estr,
+                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 namespace {
 
-constexpr int kBM = 128;             // CTA rows (2 consumer WGs x 64)
-constexpr int kBN = 256;             // wgmma N per consumer WG
-constexpr int kBK = 64;              // K per stage (128 B of bf16: one swizzle row)
-constexpr int kStages = 4;
-constexpr int kABytes = kBM * kBK * 2;   // 16 KB
-constexpr int kBBytes = kBK * kBN * 2;   // 32 KB (4 chunks of 64 N x 64 K)
-constexpr int kBChunk = kBK * 64 * 2;    // 8 KB
-constexpr int kStageBytes = kABytes + kBBytes;
-// Epilogue staging: each consumer warp owns 16 rows x 64 bf16 columns (+16 B pad
-// per row: conflict-free 4-byte writes and 16-byte reads), flushed with
-// coalesced 16-byte global stores.
-constexpr int kStgPitch = 64 * 2 + 16;
-constexpr int kStgWarpBytes = 16 * kStgPitch;
-constexpr int kSmemBytes =
-    kStages * kStageBytes + 1024 /*align slack*/ + 256 /*barriers*/ + 8 * kStgWarpBytes /*epilogue staging*/;
-constexpr int kThreads = 384;
-constexpr int kConsumerWarps = 8;
+using tile::kABytes;
+using tile::kBBytes;
+using tile::kBChunk;
+using tile::kBK;
+using tile::kBM;
+using tile::kConsumerWarps;
+using tile::kSmemBytes;
+using tile::kStageBytes;
+using tile::kStages;
+using tile::kStgWarpBytes;
+using tile::kThreads;
 
 struct KParams {
   int m_rows;
@@ -46,15 +81,6 @@ struct KParams {
   __nv_bfloat16* out2;
   int zero_unused;
 };
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-__device__ __forceinline__ float silu_mul(float g, float u) {
-  return g * (1.0f / (1.0f + __expf(-g))) * u;
-}
 
 // kCluster = 1: one CTA per 128-row tile.
 // kCluster = 2: clusters of 2 CTAs on adjacent 128-row tiles (2i, 2i+1) and the
@@ -190,101 +216,22 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         continue;
       }
-      uint32_t prev_s = 0;
-      for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
-        const uint32_t s = it % kStages;
-        const uint32_t par = (it / kStages) & 1;
-        ptx::mbar_wait(&full_bar[s], par);
-        const uint32_t a_base = ptx::smem_u32(smem + s * kStageBytes) + cw * (64 * 128);
-        const uint32_t b_base = ptx::smem_u32(smem + s * kStageBytes + kABytes);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
-          const uint64_t da = ptx::make_smem_desc_sw128(a_base + kk * 32, 16, 1024);
-          const uint64_t db = ptx::make_smem_desc_sw128(b_base + kk * 2048, kBChunk, 1024);
-          ptx::wgmma_m64n256k16_bf16<1>(acc, da, db, (kb | kk) != 0);
-        }
-        ptx::wgmma_commit();
-        if (kb > 0) {
-          ptx::wgmma_wait<1>();
-          release(prev_s);
-        }
-        prev_s = s;
-      }
-      ptx::wgmma_wait<0>();
-      release(prev_s);
-#pragma unroll
-      for (int i = 0; i < 128; ++i) ptx::fence_operand(acc[i]);
+      tile::mma_k_loop(acc, smem, full_bar, it, p.k_blocks, cw, release);
 
       // ---------------------------------------------------------- epilogue
       const bool unused = g_self < 0;  // computed only to keep the pair in lock-step
       if (unused && !p.zero_unused) continue;
       const int wrow0 = mt * kBM + cw * 64 + warp * 16;  // first row of this warp
-      bool keep[2];
+      tile::TileStore ts{stg, lane, wrow0, p.m_rows, p.n, {false, false}};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row0 + h * 8;
-        keep[h] = !unused && row < p.m_rows && (p.row_mask == nullptr || p.row_mask[row] != 0);
+        ts.keep[h] = !unused && row < p.m_rows && (p.row_mask == nullptr || p.row_mask[row] != 0);
       }
-      // Registers -> staging (one 16x64 chunk: 8 column groups), then coalesced stores.
-      auto put = [&](int gg, int h, float v0, float v1) {
-        *reinterpret_cast<uint32_t*>(stg + ((lane >> 2) + h * 8) * kStgPitch + gg * 16 + (lane & 3) * 4) =
-            keep[h] ? pack_bf16x2(v0, v1) : 0u;
-      };
-      auto flush = [&](__nv_bfloat16* out, int col0) {
-        __syncwarp();
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int idx = lane + 32 * i;
-          const int r = idx >> 3, c = idx & 7;
-          const int row = wrow0 + r, col = col0 + c * 8;
-          const uint4 v = *reinterpret_cast<const uint4*>(stg + r * kStgPitch + c * 16);
-          if (row < p.m_rows && col < p.n) *reinterpret_cast<uint4*>(out + static_cast<size_t>(row) * p.n + col) = v;
-        }
-        __syncwarp();
-      };
       if (kFused) {
-        const int n_base = nt * 128;
-#pragma unroll
-        for (int ch = 0; ch < 2; ++ch) {
-#pragma unroll
-          for (int gg = 0; gg < 8; ++gg)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int i = (ch * 8 + gg) * 4 + h * 2;
-              put(gg, h, acc[i], acc[i + 1]);
-            }
-          flush(p.out0, n_base + ch * 64);
-#pragma unroll
-          for (int gg = 0; gg < 8; ++gg)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int i = 64 + (ch * 8 + gg) * 4 + h * 2;
-              put(gg, h, acc[i], acc[i + 1]);
-            }
-          flush(p.out1, n_base + ch * 64);
-#pragma unroll
-          for (int gg = 0; gg < 8; ++gg)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int i = (ch * 8 + gg) * 4 + h * 2;
-              put(gg, h, silu_mul(acc[i], acc[64 + i]), silu_mul(acc[i + 1], acc[64 + i + 1]));
-            }
-          flush(p.out2, n_base + ch * 64);
-        }
+        tile::store_gate_up(acc, ts, nt * 128, p.out0, p.out1, p.out2);
       } else {
-        const int n_base = nt * 256;
-#pragma unroll
-        for (int ch = 0; ch < 4; ++ch) {
-#pragma unroll
-          for (int gg = 0; gg < 8; ++gg)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int i = (ch * 8 + gg) * 4 + h * 2;
-              put(gg, h, acc[i], acc[i + 1]);
-            }
-          flush(p.out0, n_base + ch * 64);
-        }
+        tile::store_plain(acc, ts, nt * 256, p.out0);
       }
     }
   }
@@ -294,43 +241,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
     ptx::cluster_sync();
   }
-}
-
-// ------------------------------------------------------------------ host side
-PFN_cuTensorMapEncodeTiled_v12000 g_encode = nullptr;
-std::once_flag g_encode_once;
-
-PFN_cuTensorMapEncodeTiled_v12000 get_encoder() {
-  std::call_once(g_encode_once, [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) ==
-            cudaSuccess &&
-        q == cudaDriverEntryPointSuccess) {
-      g_encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-    }
-  });
-  return g_encode;
-}
-
-bool make_map_a(CUtensorMap* m, const void* ptr, int64_t rows, int64_t k) {
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(k) * 2};
-  cuuint32_t box[2] = {kBK, kBM};
-  cuuint32_t estr[2] = {1, 1};
-  return get_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
-                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-bool make_map_b(CUtensorMap* m, const void* ptr, int64_t groups, int64_t k, int64_t n) {
-  cuuint64_t dims[3] = {static_cast<cuuint64_t>(n), static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(groups)};
-  cuuint64_t strides[2] = {static_cast<cuuint64_t>(n) * 2, static_cast<cuuint64_t>(k) * n * 2};
-  cuuint32_t box[3] = {64, kBK, 1};
-  cuuint32_t estr[3] = {1, 1, 1};
-  return get_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(ptr), dims, strides, box, estr,
-                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }

@@ -21,7 +21,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cuda.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 namespace mok::cuda {
 
@@ -51,6 +53,14 @@ struct GroupedGemmArgs {
 // Returns nullptr or a static error string. No host synchronisation.
 const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& args, int num_sms,
                                 cudaStream_t stream);
+
+// Tensor maps of the tile (gemm_tile.cuh), 128-byte swizzle, bf16:
+// rows map  [rows, k] row-major, box 64 (K) x 128 (rows);
+// weights map [groups, k, n] row-major, box 64 (N) x 64 (K) x 1.
+// Return false when the driver's encoder is unavailable or rejects the map.
+PFN_cuTensorMapEncodeTiled_v12000 get_encoder();
+bool make_map_a(CUtensorMap* m, const void* ptr, int64_t rows, int64_t k);
+bool make_map_b(CUtensorMap* m, const void* ptr, int64_t groups, int64_t k, int64_t n);
 
 // Dynamic shared memory one GEMM CTA uses (for reports).
 int grouped_gemm_smem_bytes();

@@ -365,20 +365,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
 }
 
 // ------------------------------------------------------------------ host side
-PFN_cuTensorMapEncodeTiled_v12000 g_encode = nullptr;
-std::once_flag g_encode_once;
-
-PFN_cuTensorMapEncodeTiled_v12000 encoder() {
-  std::call_once(g_encode_once, [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) ==
-            cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      g_encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  });
-  return g_encode;
-}
+// The driver entry point is fetched once, in gemm_wgmma.cu.
+PFN_cuTensorMapEncodeTiled_v12000 encoder() { return get_encoder(); }
 
 // 2-D [rows, cols] bf16 row-major, box {box_c cols, box_r rows}.
 bool map_2d(CUtensorMap* m, const void* ptr, int64_t rows, int64_t cols, uint32_t box_c, uint32_t box_r) {

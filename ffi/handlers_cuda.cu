@@ -2,6 +2,14 @@
 // module `_mok_cuda`. The forward's device workspace is one more XLA output
 // (uint8[forward_workspace_bytes]) rather than a per-call allocation: XLA
 // places it at compile time, and its lifetime covers the stream-ordered work.
+// Both handlers launch exactly the same device work on every call (grids are
+// sized from static capacities, real counts are read on the device, no
+// allocation, no host sync), so they are marked command-buffer (CUDA graph)
+// compatible; the MOK_JAX_CHECK_IDS debug sync refuses to run under capture.
+// The forward's attributes are the megakernel knobs (mok_jax.MegakernelConfig;
+// 0 = default).
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 
@@ -26,25 +34,47 @@ bool check_ids_enabled() {
   return on;
 }
 
+// Calls that ran while XLA was capturing the stream into a CUDA graph (a
+// command buffer): `_mok_cuda.captured_calls()`, so a test can see that XLA
+// really put these targets into graphs.
+std::atomic<int64_t> g_captured_calls{0};
+
+void count_capture(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusActive)
+    g_captured_calls.fetch_add(1);
+}
+
 ffi::Error ForwardCuda(cudaStream_t stream, Buf x, Buf ids, Buf w, Buf mask, Buf wg, Buf wu,
                        Buf wd, Buf wsg, Buf wsu, Buf wsd, Ret y, Ret offsets, Ret row_pair,
                        Ret pair_row, Ret gate_pre, Ret up_pre, Ret sgate_pre, Ret sup_pre,
-                       Ret workspace) {
+                       Ret workspace, int32_t persistent, int32_t dispatch_ctas, int32_t minibatch_rows,
+                       int32_t ring_rows) {
+  const cuda::MegakernelConfig cfg{persistent, dispatch_ctas, minibatch_rows, ring_rows};
+  count_capture(stream);
   return run_forward(
       Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd}, y, offsets, row_pair, pair_row,
       gate_pre, up_pre, sgate_pre, sup_pre,
       [&](const Problem& p, const ForwardArgs& a) -> std::string {
         if (p.dtype != DType::kBF16) return "the CUDA backend supports bfloat16 only";
-        const size_t need = cuda::forward_workspace_bytes(p);
+        cuda::MegakernelPlan plan;
+        if (cfg.persistent != 0)
+          if (const char* err = cuda::resolve_megakernel(p, cfg, &plan)) return err;
+        const size_t need = cuda::forward_workspace_bytes(p, cfg);
         if (workspace->size_bytes() < need)
           return "workspace has " + std::to_string(workspace->size_bytes()) + " bytes, needs " +
                  std::to_string(need);
         void* ws = workspace->untyped_data();
-        if (const char* err = cuda::forward(p, a, ws, stream)) return err;
+        if (const char* err = cuda::forward(p, a, ws, stream, nullptr, cfg)) return err;
         if (!check_ids_enabled()) return {};
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+            capture != cudaStreamCaptureStatusNone)
+          return "MOK_JAX_CHECK_IDS=1 synchronises the stream and cannot run inside a CUDA graph: "
+                 "also set XLA_FLAGS=--xla_gpu_enable_command_buffer= (graphs off)";
         int32_t flags = 0;
         const char* base = static_cast<const char*>(ws);
-        if (cudaMemcpyAsync(&flags, base + cuda::forward_workspace_flags_offset(p), sizeof(flags),
+        if (cudaMemcpyAsync(&flags, base + cuda::forward_workspace_flags_offset(p, cfg), sizeof(flags),
                             cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
             cudaStreamSynchronize(stream) != cudaSuccess)
           return std::string("reading the id-check flag failed: ") +
@@ -61,6 +91,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf 
                         Buf pair_row, Buf gate_pre, Buf up_pre, Buf sgate_pre, Buf sup_pre, Ret dx,
                         Ret dw, Ret dwg, Ret dwu, Ret dwd, Ret dwsg, Ret dwsu, Ret dwsd,
                         Ret workspace) {
+  count_capture(stream);
   return run_backward(
       dy, Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd},
       Residuals{offsets, row_pair, pair_row, gate_pre, up_pre, sgate_pre, sup_pre}, dx, dw, dwg,
@@ -81,12 +112,18 @@ ffi::Error BackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokExpertsBwdCuda, mok::BackwardCuda,
     mok::BindBackward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
-        .Ret<mok::Buf>());  // + workspace
+        .Ret<mok::Buf>(),  // + workspace
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokExpertsFwdCuda, mok::ForwardCuda,
     mok::BindForward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
-        .Ret<mok::Buf>());  // + workspace
+        .Ret<mok::Buf>()  // + workspace
+        .Attr<int32_t>("persistent")
+        .Attr<int32_t>("dispatch_ctas")
+        .Attr<int32_t>("minibatch_rows")
+        .Attr<int32_t>("ring_rows"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
 NB_MODULE(_mok_cuda, m) {
   m.def("registrations", []() {
@@ -95,12 +132,24 @@ NB_MODULE(_mok_cuda, m) {
     d["mok_experts_bwd_cuda"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsBwdCuda));
     return d;
   });
+  // forward_workspace_bytes(T, H, F, E, K, Fs, persistent, dispatch_ctas,
+  // minibatch_rows, ring_rows): 0 when the problem or the knobs are rejected.
   m.def("forward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K,
-                                      int64_t Fs) {
+                                      int64_t Fs, int32_t persistent, int32_t dispatch_ctas,
+                                      int32_t minibatch_rows, int32_t ring_rows) {
     mok::Problem p;
     p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
     p.dtype = mok::DType::kBF16;
-    return mok::cuda::forward_workspace_bytes(p);
+    return mok::cuda::forward_workspace_bytes(
+        p, mok::cuda::MegakernelConfig{persistent, dispatch_ctas, minibatch_rows, ring_rows});
+  });
+  m.def("captured_calls", []() { return mok::g_captured_calls.load(); });
+  m.def("megakernel_defaults", []() {
+    nanobind::dict d;
+    d["dispatch_ctas"] = mok::cuda::kDefaultDispatchCtas;
+    d["minibatch_rows"] = mok::cuda::kDefaultMinibatchRows;
+    d["ring_rows"] = mok::cuda::kDefaultRingRows;
+    return d;
   });
   m.def("backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K,
                                        int64_t Fs) {

@@ -1,15 +1,18 @@
 """mok_jax: a fused, dropless MoE layer for JAX through the XLA FFI.
 
-Public API: `moe_layer`, `route`, `experts`, `MoEAux`. See README.md.
+Public API: `moe_layer`, `route`, `experts`, `MoEAux`, `MegakernelConfig`.
+See README.md.
 """
 
 from ._ffi import cuda_built
+from .config import MegakernelConfig
 from .experts import experts
 from .layer import moe_layer
 from .routing import MoEAux, route
 
 __version__ = "0.1.0"
-__all__ = ["moe_layer", "route", "experts", "MoEAux", "cuda_built", "__version__"]
+__all__ = ["moe_layer", "route", "experts", "MoEAux", "MegakernelConfig", "cuda_built",
+           "__version__"]
 
 # Flax modules and the weight converters load on first access
 # (`mok_jax.nnx`, `mok_jax.linen`, `mok_jax.convert`, `mok_jax.info`), so that

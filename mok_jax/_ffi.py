@@ -11,6 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .config import MegakernelConfig
+
+# The order of forward_workspace_bytes' knob arguments after (T, H, F, E, K, Fs).
+_MEGAKERNEL_ATTRS = ("persistent", "dispatch_ctas", "minibatch_rows", "ring_rows")
+
 try:
     from . import _mok_cpu
 except ImportError as err:
@@ -122,18 +127,24 @@ def backward_result_types(x, topk_ids, weights):
             *(_result(w.shape, w.dtype, x) for w in weights))
 
 
-def forward_call(platform, inputs):
+def forward_call(platform, inputs, megakernel=None):
     """inputs: (x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd), already
-    reconciled (reconcile_varying) when inside shard_map. Returns y and the
-    7 residuals."""
+    reconciled (reconcile_varying) when inside shard_map. megakernel: a
+    MegakernelConfig or None (the defaults), used by the CUDA target only.
+    Returns y and the 7 residuals."""
     x, ids, _, _, wg, _, _, wsg, _, _ = inputs
     types = forward_result_types(x, ids, wg, wsg)
+    attrs = {}
     if platform == "cuda":  # the device workspace is one more XLA-owned output
+        attrs = (megakernel or MegakernelConfig()).ffi_attrs()
         T, H = x.shape
         E, _, F = wg.shape
-        nbytes = _mok_cuda.forward_workspace_bytes(T, H, F, E, ids.shape[1], wsg.shape[1])
+        # The workspace holds the ring and the ready counters, so it depends on the knobs.
+        nbytes = _mok_cuda.forward_workspace_bytes(
+            T, H, F, E, ids.shape[1], wsg.shape[1], *(int(attrs[k]) for k in _MEGAKERNEL_ATTRS))
         types = (*types, _result((nbytes,), np.uint8, x))
-    outs = jax.ffi.ffi_call(f"mok_experts_fwd_{platform}", types, vmap_method="sequential")(*inputs)
+    outs = jax.ffi.ffi_call(f"mok_experts_fwd_{platform}", types,
+                            vmap_method="sequential")(*inputs, **attrs)
     return outs[:8]
 
 

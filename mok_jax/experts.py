@@ -11,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from . import _ffi
 from . import _validate as V
+from .config import check_megakernel
 from .reference import experts_xla
 
 
@@ -28,18 +29,21 @@ def empty_shared(H, dtype, in_shard_map):
     return z, z, jnp.zeros((Fs, H), dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _experts_ffi(platform, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
-    return _forward(platform, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd)[0]
+# megakernel (a MegakernelConfig or None) is static like platform: it changes
+# the CUDA kernel's launch, never the values, and is hashable for the jit cache.
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _experts_ffi(platform, megakernel, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
+    return _forward(platform, megakernel, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd)[0]
 
 
-def _forward(platform, *inputs):
-    y, *residuals = _ffi.forward_call(platform, inputs)  # experts() reconciled the inputs
+def _forward(platform, megakernel, *inputs):
+    # experts() reconciled the inputs
+    y, *residuals = _ffi.forward_call(platform, inputs, megakernel=megakernel)
     return y, tuple(residuals)
 
 
-def _experts_ffi_fwd(platform, *inputs):
-    y, residuals = _forward(platform, *inputs)
+def _experts_ffi_fwd(platform, megakernel, *inputs):
+    y, residuals = _forward(platform, megakernel, *inputs)
     # The routed outputs are not saved: only x, routing, weights, the schedule
     # and the gate/up pre-activations (named so remat policies can pick them).
     residuals = tuple(checkpoint_name(r, "mok_experts_residual")
@@ -47,7 +51,7 @@ def _experts_ffi_fwd(platform, *inputs):
     return y, (inputs, residuals)
 
 
-def _experts_ffi_bwd(platform, saved, dy):
+def _experts_ffi_bwd(platform, megakernel, saved, dy):  # the backward has no knobs
     inputs, residuals = saved
     (dy, *inputs), _ = _ffi.reconcile_varying([dy, *inputs])
     dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd = _ffi.backward_call(platform, dy, inputs, residuals)
@@ -93,7 +97,7 @@ def resolve_implementation(implementation, dtype, dims=None):
 
 
 def experts(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, shared_experts=None,
-            token_mask=None, implementation="auto"):
+            token_mask=None, implementation="auto", megakernel=None, recompute=False):
     """Expert FFNs and combine for given routing: steps 3-4 of `moe_layer`.
 
     Args:
@@ -106,6 +110,15 @@ def experts(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, shared_experts=N
       token_mask: optional bool ``[...]``; False marks padding tokens, which are
         not dispatched and whose output is exactly zero.
       implementation: "auto", "xla", "cpu" or "cuda" (see `moe_layer`).
+      megakernel: None or a `mok_jax.MegakernelConfig`: how the CUDA forward
+        runs (persistent megakernel or staged kernels, ring size, ...). Ignored
+        by "cpu" and "xla"; it never changes the result.
+      recompute: False (default) keeps the forward's residuals (x's routed
+        rows are not kept: the gate/up pre-activations and the schedule, see
+        docs/design.md) for the backward; True keeps nothing but the inputs
+        and runs the forward again inside the backward (activation
+        checkpointing of this layer: less memory, one more forward of
+        compute). The gradients are bitwise the same either way.
 
     Returns:
       ``y[..., H]`` in x's dtype:
@@ -115,17 +128,25 @@ def experts(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, shared_experts=N
       ValueError / TypeError at trace time for bad shapes, dtypes or options;
       an error naming ``topk_ids`` at run time for ids outside ``[0, E)``.
     """
+    megakernel = check_megakernel(megakernel)
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
     x, x2, ids2, w2, mask2, shared, (E, H, F, K, T) = V.flatten_experts_args(
         x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_experts, token_mask)
     Fs = 0 if shared is None else shared[0].shape[1]
     impl = resolve_implementation(implementation, x.dtype, (H, F, Fs, K))
     if T == 0:
         return jnp.zeros(x.shape, x.dtype)
+    run = partial(_run, impl, megakernel)
+    if recompute:
+        # Save nothing inside: the backward re-runs the forward kernel for its
+        # residuals (the custom_vjp forward is replayed under the checkpoint).
+        run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)
     with jax.named_scope(f"mok_experts_{impl}"):
-        return _run(impl, x2, ids2, w2, mask2, w_gate, w_up, w_down, shared).reshape(x.shape)
+        return run(x2, ids2, w2, mask2, w_gate, w_up, w_down, shared).reshape(x.shape)
 
 
-def _run(impl, x2, ids2, w2, mask2, w_gate, w_up, w_down, shared):
+def _run(impl, megakernel, x2, ids2, w2, mask2, w_gate, w_up, w_down, shared):
     if impl == "xla":
         return experts_xla(x2, ids2, w2, mask2, w_gate, w_up, w_down, shared)
     if shared is None:
@@ -136,4 +157,4 @@ def _run(impl, x2, ids2, w2, mask2, w_gate, w_up, w_down, shared):
     # *before* the custom_vjp, so replicated weights get psum'd cotangents.
     inputs, _ = _ffi.reconcile_varying(
         [x2, ids2, w2, mask2.astype(jnp.uint8), w_gate, w_up, w_down, wsg, wsu, wsd])
-    return _experts_ffi(impl, *inputs)
+    return _experts_ffi(impl, megakernel, *inputs)

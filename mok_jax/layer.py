@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import parallel
+from .config import check_megakernel
 from .experts import experts
 from .routing import route
 
@@ -10,7 +11,8 @@ from .routing import route
 def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="softmax",
               normalize_topk=True, router_bias=None, routed_scaling_factor=1.0,
               shared_experts=None, token_mask=None, implementation="auto", mesh=None,
-              expert_axis=None, token_axes=None, dispatch="auto", axis_name=None):
+              expert_axis=None, token_axes=None, dispatch="auto", axis_name=None,
+              megakernel=None, recompute=False):
     """A dropless mixture-of-experts SwiGLU layer.
 
     ``y = sum_k w_k * down_e(silu(x @ gate_e) * (x @ up_e)) + shared(x)`` over the
@@ -33,6 +35,14 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
         "cuda" (the Hopper megakernel, bfloat16), or "auto" (the FFI kernel of
         the default backend where one applies, else "xla"). With a mesh, the
         per-rank kernel: "auto" is "cpu" on CPU devices, "cuda" on Hopper GPUs.
+      megakernel: None (the defaults) or a `mok_jax.MegakernelConfig`: how the
+        CUDA forward runs (persistent megakernel or staged kernels, dispatch
+        CTAs, minibatch and ring sizes). Speed and memory only, never the
+        result; "cpu" and "xla" ignore it.
+      recompute: True re-runs the expert forward inside the backward instead
+        of keeping its residuals (activation checkpointing of the experts;
+        the router's few values are kept); bitwise the same gradients. The
+        expert-parallel path (mesh=/axis_name=) always recomputes per rank.
       mesh: optional `jax.sharding.Mesh` for expert parallelism (global arrays):
         w_gate/w_up/w_down are split along E over ``expert_axis``, tokens along
         T over ``token_axes``; router_kernel, router_bias and shared_experts are
@@ -55,8 +65,12 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
 
     Raises:
       ValueError for a bad mesh (expert_axis missing, E or T not divisible);
-      NotImplementedError for dispatch="peer".
+      NotImplementedError for dispatch="peer"; TypeError for a ``megakernel``
+      that is not a `mok_jax.MegakernelConfig`.
     """
+    megakernel = check_megakernel(megakernel)  # before any routing work
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
     if mesh is not None or axis_name is not None:
         return _moe_layer_parallel(
             x, router_kernel, w_gate, w_up, w_down, top_k=top_k, score_func=score_func,
@@ -64,7 +78,7 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
             routed_scaling_factor=routed_scaling_factor, shared_experts=shared_experts,
             token_mask=token_mask, implementation=implementation, mesh=mesh,
             expert_axis=expert_axis, token_axes=token_axes, dispatch=dispatch,
-            axis_name=axis_name)
+            axis_name=axis_name, megakernel=megakernel)
     if expert_axis is not None or token_axes is not None:
         raise ValueError("expert_axis= and token_axes= need mesh= (or use axis_name= "
                          "inside your own shard_map)")
@@ -74,14 +88,14 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
                 routed_scaling_factor=routed_scaling_factor, token_mask=token_mask)
     y = experts(x, aux.topk_ids, aux.topk_weights, w_gate, w_up, w_down,
                 shared_experts=shared_experts, token_mask=token_mask,
-                implementation=implementation)
+                implementation=implementation, megakernel=megakernel, recompute=recompute)
     return y, aux
 
 
 def _moe_layer_parallel(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func,
                         normalize_topk, router_bias, routed_scaling_factor, shared_experts,
                         token_mask, implementation, mesh, expert_axis, token_axes, dispatch,
-                        axis_name):
+                        axis_name, megakernel):
     import jax
     import jax.numpy as jnp
     parallel.check_dispatch(dispatch)
@@ -114,5 +128,5 @@ def _moe_layer_parallel(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_
         x, aux.topk_ids, aux.topk_weights, w_gate, w_up, w_down, mesh=mesh,
         expert_axis=expert_axis, token_axes=token_axes, axis_name=axis_name,
         shared_experts=shared_experts, token_mask=token_mask,
-        implementation=implementation, dispatch=dispatch)
+        implementation=implementation, dispatch=dispatch, megakernel=megakernel)
     return y, aux

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from . import _validate as V
+from .config import MegakernelConfig, check_megakernel
 from .layer import moe_layer
 from .nnx import (EXPERT_DOWN_AXES, EXPERT_KERNEL_AXES, ROUTER_AXES, check_config,
                   compute_dtype, default_kernel_init, router_bias_update)
@@ -69,6 +70,10 @@ class MoE(nn.Module):
       aux_loss_coeff / z_loss_coeff: weights of the load-balancing loss and the
         router z-loss in the sown ``aux_loss``.
       implementation: "auto", "xla", "cpu" or "cuda" (see `mok_jax.moe_layer`).
+      megakernel: None or a `mok_jax.MegakernelConfig` for the CUDA forward
+        (see `mok_jax.moe_layer`); never changes the result.
+      recompute: re-run the expert forward in the backward instead of keeping
+        its residuals (see `mok_jax.moe_layer`).
 
     Sown into ``"intermediates"`` on every call (collect with
     ``mutable=["intermediates"]``): ``aux_loss`` (coefficient-weighted,
@@ -94,6 +99,8 @@ class MoE(nn.Module):
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     implementation: str = "auto"
+    megakernel: Optional[MegakernelConfig] = None
+    recompute: bool = False
 
     @nn.compact
     def __call__(self, x, token_mask=None):
@@ -114,6 +121,7 @@ class MoE(nn.Module):
                      z_loss_coeff=self.z_loss_coeff,
                      router_bias_update_rate=self.router_bias_update_rate,
                      dtype=self.dtype, param_dtype=self.param_dtype)
+        megakernel = check_megakernel(self.megakernel)
         x = jnp.asarray(x)
         V.check_float("x", x)
         if x.ndim < 1:
@@ -148,7 +156,8 @@ class MoE(nn.Module):
             x.astype(cdt), router, wg.astype(cdt), wu.astype(cdt), wd.astype(cdt),
             top_k=self.top_k, score_func=self.score_func, normalize_topk=self.normalize_topk,
             router_bias=bias, routed_scaling_factor=float(self.routed_scaling_factor),
-            shared_experts=shared, token_mask=token_mask, implementation=self.implementation)
+            shared_experts=shared, token_mask=token_mask, implementation=self.implementation,
+            megakernel=megakernel, recompute=self.recompute)
         self.sow("intermediates", "aux_loss",
                  self.aux_loss_coeff * aux.load_balancing_loss
                  + self.z_loss_coeff * aux.router_z_loss)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import _validate as V
+from .config import MegakernelConfig, check_megakernel
 from .layer import moe_layer
 
 __all__ = ["MoE", "RouterBias", "MoEAuxLoss", "MoEStats", "aux_loss", "expert_load",
@@ -173,6 +174,10 @@ class MoE(nnx.Module):
       aux_loss_coeff: weight of the Switch load-balancing loss in `MoEAuxLoss`.
       z_loss_coeff: weight of the router z-loss in `MoEAuxLoss`.
       implementation: "auto", "xla", "cpu" or "cuda" (see `mok_jax.moe_layer`).
+      megakernel: None or a `mok_jax.MegakernelConfig` for the CUDA forward
+        (see `mok_jax.moe_layer`); never changes the result.
+      recompute: re-run the expert forward in the backward instead of keeping
+        its residuals (see `mok_jax.moe_layer`).
       rngs: `nnx.Rngs` for the initialisers (its ``params`` stream).
 
     Attributes:
@@ -200,7 +205,9 @@ class MoE(nnx.Module):
                  router_init: Optional[Callable] = None,
                  router_bias: bool = False, router_bias_update_rate: float = 1e-3,
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
-                 implementation: str = "auto", rngs: nnx.Rngs):
+                 implementation: str = "auto",
+                 megakernel: Optional[MegakernelConfig] = None, recompute: bool = False,
+                 rngs: nnx.Rngs):
         check_config(hidden_size=hidden_size, ffn_size=ffn_size, num_experts=num_experts,
                      top_k=top_k, shared_ffn_size=shared_ffn_size, score_func=score_func,
                      implementation=implementation, aux_loss_coeff=aux_loss_coeff,
@@ -215,6 +222,11 @@ class MoE(nnx.Module):
         self.router_bias_update_rate = float(router_bias_update_rate)
         self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
         self.implementation = implementation
+        # A static (hashable) attribute, not a Variable: it is part of the graph def.
+        self.megakernel = check_megakernel(megakernel)
+        if not isinstance(recompute, bool):
+            raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
+        self.recompute = recompute
         kinit = kernel_init or default_kernel_init()
         rinit = router_init or jax.nn.initializers.lecun_normal()
 
@@ -274,7 +286,8 @@ class MoE(nnx.Module):
             cast(self.w_down), top_k=self.top_k, score_func=self.score_func,
             normalize_topk=self.normalize_topk, router_bias=bias,
             routed_scaling_factor=self.routed_scaling_factor, shared_experts=shared,
-            token_mask=token_mask, implementation=self.implementation)
+            token_mask=token_mask, implementation=self.implementation,
+            megakernel=self.megakernel, recompute=self.recompute)
         _set(self.aux_loss, self.aux_loss_coeff * aux.load_balancing_loss
              + self.z_loss_coeff * aux.router_z_loss)
         _set(self.tokens_per_expert, aux.tokens_per_expert)

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _ffi
 from . import _validate as V
+from .config import check_megakernel
 from .experts import empty_shared, xla_flat
 
 DISPATCH_MODES = ("auto", "collective", "peer")
@@ -65,6 +66,7 @@ class EPConfig(NamedTuple):
     token_axes: tuple = ()    # mesh mode only
     psum_expert_axes: tuple = ()  # mesh mode: token axes other than `axis`
     psum_shared_axes: tuple = ()  # mesh mode: all token axes
+    megakernel: object = None     # MegakernelConfig or None: the CUDA forward's knobs
 
 
 def check_dispatch(dispatch):
@@ -108,14 +110,14 @@ def _empty_shared(H, dtype):
     return empty_shared(H, dtype, True)
 
 
-def _local_forward(impl, inputs):
+def _local_forward(impl, inputs, megakernel=None):
     inputs, _ = _ffi.reconcile_varying(list(inputs))
     if impl == "xla":
         return xla_flat(*inputs)
-    return _ffi.forward_call(impl, inputs)[0]
+    return _ffi.forward_call(impl, inputs, megakernel=megakernel)[0]
 
 
-def _local_backward(impl, dy, inputs):
+def _local_backward(impl, dy, inputs, megakernel=None):
     """(dx, d_topk_weights, dwg, dwu, dwd, dwsg, dwsu, dwsd) of the local
     kernel, recomputing its forward residuals (nothing is kept per round)."""
     (dy, *inputs), _ = _ffi.reconcile_varying([dy, *inputs])
@@ -123,7 +125,7 @@ def _local_backward(impl, dy, inputs):
         _, vjp = jax.vjp(xla_flat, *inputs)
         g = vjp(dy)
         return g[0], g[2], *g[4:]
-    _, *residuals = _ffi.forward_call(impl, inputs)
+    _, *residuals = _ffi.forward_call(impl, inputs, megakernel=megakernel)
     return tuple(_ffi.backward_call(impl, dy, inputs, residuals))
 
 
@@ -229,7 +231,7 @@ def rank_forward(cfg, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
         y_rows = _local_forward(cfg.impl, (
             rows, jnp.where(live, meta, 0)[:, None],
             jnp.ones((rows.shape[0], 1), jnp.float32), live.astype(jnp.uint8),
-            wg, wu, wd, *_empty_shared(H, x.dtype)))
+            wg, wu, wd, *_empty_shared(H, x.dtype)), cfg.megakernel)
         back = _a2a(y_rows, cfg)  # slot s holds the output of pair[s]
         return _scatter_pairs(out, pair, back)
 
@@ -238,7 +240,8 @@ def rank_forward(cfg, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
 
     acc = jnp.zeros((T, H), jnp.float32)
     if wsg.shape[1]:
-        acc = _local_forward(cfg.impl, _shared_inputs(cfg.impl, x, mask_u8, wsg, wsu, wsd))
+        acc = _local_forward(cfg.impl, _shared_inputs(cfg.impl, x, mask_u8, wsg, wsu, wsd),
+                             cfg.megakernel)
         acc = acc.astype(jnp.float32)
     out = out.reshape(T, K, H).astype(jnp.float32)
     valid = plan.valid.reshape(T, K)
@@ -273,7 +276,8 @@ def rank_backward(cfg, dy, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
         live = meta != _EMPTY
         inputs = (rows[:, :H], jnp.where(live, meta, 0)[:, None], wr[:, None],
                   live.astype(jnp.uint8), wg, wu, wd, *_empty_shared(H, x.dtype))
-        dxr, dwr, dgg, dgu, dgd = _local_backward(cfg.impl, rows[:, H:], inputs)[:5]
+        dxr, dwr, dgg, dgu, dgd = _local_backward(cfg.impl, rows[:, H:], inputs,
+                                                  cfg.megakernel)[:5]
         dx_back = _a2a(dxr, cfg)
         dw_back = _a2a(dwr.reshape(-1), cfg)
         dx_p = _scatter_pairs(dx_p, pair, dx_back)
@@ -290,7 +294,8 @@ def rank_backward(cfg, dy, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
     acc = jnp.zeros((T, H), jnp.float32)
     dsh = tuple(jnp.zeros(a.shape, jnp.float32) for a in (wsg, wsu, wsd))
     if wsg.shape[1]:
-        g = _local_backward(cfg.impl, dy, _shared_inputs(cfg.impl, x, mask_u8, wsg, wsu, wsd))
+        g = _local_backward(cfg.impl, dy, _shared_inputs(cfg.impl, x, mask_u8, wsg, wsu, wsd),
+                            cfg.megakernel)
         acc = g[0].astype(jnp.float32)
         dsh = tuple(a.astype(jnp.float32) for a in g[5:])
     dx_p = dx_p.reshape(T, K, H).astype(jnp.float32)
@@ -416,7 +421,7 @@ def mesh_axes(mesh, expert_axis, token_axes):
 def experts_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, mesh=None,
                      expert_axis=None, token_axes=None, axis_name=None, shared_experts=None,
                      token_mask=None, implementation="auto", dispatch="auto",
-                     round_rows=None):
+                     round_rows=None, megakernel=None):
     """`mok_jax.experts` with the experts sharded over a mesh axis.
 
     Either ``mesh`` + ``expert_axis`` (global arrays; w_* are ``[E, ...]`` and
@@ -424,9 +429,12 @@ def experts_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, mesh=No
     are this rank's ``[E/EP, ...]`` block, expert ``e`` living on rank
     ``e // (E/EP)``, and topk_ids are global ids). ``round_rows``: pairs per
     (source, destination) per dispatch round (default
-    ``ceil(2*T_local*K/EP)``, see docs/scaling.md).
+    ``ceil(2*T_local*K/EP)``, see docs/scaling.md). ``megakernel``: None or a
+    `mok_jax.MegakernelConfig` for the per-rank CUDA forward (also the
+    forward the backward recomputes); ignored by the "cpu" and "xla" kernels.
     """
     check_dispatch(dispatch)
+    megakernel = check_megakernel(megakernel)
     if (mesh is None) == (axis_name is None):
         raise ValueError("give exactly one of mesh= (global arrays) or axis_name= "
                          "(inside your own shard_map)")
@@ -450,7 +458,7 @@ def experts_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, mesh=No
                        round_rows=_round_rows(T // n_tok, K, ep, round_rows),
                        sync_axes=tok_axes, mesh=mesh, token_axes=tok_axes,
                        psum_expert_axes=tuple(a for a in tok_axes if a != axis),
-                       psum_shared_axes=tok_axes)
+                       psum_shared_axes=tok_axes, megakernel=megakernel)
         with jax.named_scope(f"mok_experts_ep_{impl}"):
             y = _ep_mesh(cfg, *inputs)
         return y.reshape(x.shape)
@@ -464,7 +472,7 @@ def experts_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, mesh=No
         return jnp.zeros(x.shape, x.dtype)
     cfg = EPConfig(impl=impl, axis=axis_name, ep=ep,
                    round_rows=_round_rows(T, K, ep, round_rows),
-                   sync_axes=(axis_name,))
+                   sync_axes=(axis_name,), megakernel=megakernel)
     inputs, _ = _ffi.reconcile_varying(list(inputs))
     with jax.named_scope(f"mok_experts_ep_{impl}"):
         y = _ep_inner(cfg, *inputs)

@@ -70,8 +70,16 @@ def _layer_problem(T, E, K, mask_frac=0.1):
 def _compare_layer(args, K, mesh, expert_axis="expert", **kw):
     (l0, (y0, a0)), g0 = _layer_fn(K, implementation="cpu")(*args)
     (l1, (y1, a1)), g1 = _layer_fn(K, mesh=mesh, expert_axis=expert_axis, **kw)(*args)
-    # The source rank's combine replays the kernel's: shared first, then k order.
-    np.testing.assert_array_equal(y1, y0)
+    # XLA may round the router's matmul differently once x is split over T
+    # (measured: ~1 ulp in topk_weights with jax 0.12 on CPU), so y is close to
+    # the EP=1 layer, and bitwise equal to the EP=1 kernel run on the mesh's
+    # own routing: the source rank's combine replays the kernel's (shared
+    # first, then k order).
+    _assert_close("y", y1, y0)
+    x, _, wg, wu, wd, sh, _, mask, _ = args
+    y_same_routing = jax.jit(functools.partial(mok_jax.experts, implementation="cpu"))(
+        x, a1.topk_ids, a1.topk_weights, wg, wu, wd, shared_experts=sh, token_mask=mask)
+    np.testing.assert_array_equal(y1, y_same_routing)
     np.testing.assert_array_equal(a1.tokens_per_expert, a0.tokens_per_expert)
     np.testing.assert_array_equal(a1.topk_ids, a0.topk_ids)
     # (The losses are sums that GSPMD splits over the mesh: not compared.)
@@ -236,7 +244,9 @@ def test_inside_user_shard_map(check_vma):
 
     (l0, y0), g0 = jax.jit(jax.value_and_grad(ref, argnums=tuple(range(6)),
                                               has_aux=True))(*args[:8])
-    np.testing.assert_array_equal(y1, y0)
+    # Close, not bitwise: the router's matmul on T/8 rows may round differently
+    # (the kernel-level bitwise claim is test_experts_bitwise's).
+    _assert_close("y", y1, y0)
     _assert_grads(g1, g0)
 
 

@@ -146,6 +146,10 @@ static void make_inputs(const Case& c, uint64_t seed, Host& h) {
   }
 }
 
+// Megakernel knobs of every forward call (--staged, --dispatch-ctas,
+// --minibatch-rows, --ring-rows).
+static mok::cuda::MegakernelConfig g_cfg;
+
 struct Dev {
   void *x, *wg, *wu, *wd, *sg, *su, *sd, *y, *gp, *upp, *sgp, *sup, *ws;
   int32_t *ids, *eo, *rp, *pr;
@@ -187,7 +191,7 @@ static void setup(const Problem& pr, const Host& h, Dev& d) {
   d.eo = static_cast<int32_t*>(dalloc((pr.experts + 1) * 4));
   d.rp = static_cast<int32_t*>(dalloc(R * 4));
   d.pr = static_cast<int32_t*>(dalloc(pr.pairs() * 4));
-  d.ws_bytes = mok::cuda::forward_workspace_bytes(pr);
+  d.ws_bytes = mok::cuda::forward_workspace_bytes(pr, g_cfg);
   d.ws = dalloc(d.ws_bytes);
 }
 static void teardown(Dev& d) {
@@ -242,7 +246,7 @@ static void poison(const Problem& pr, const Dev& d) {
 static bool run_forward(const Problem& pr, const Dev& d, Outputs& o, cudaStream_t st) {
   poison(pr, d);
   CK(cudaDeviceSynchronize());
-  const char* err = mok::cuda::forward(pr, make_args(d), d.ws, st);
+  const char* err = mok::cuda::forward(pr, make_args(d), d.ws, st, nullptr, g_cfg);
   if (err) {
     std::printf("  forward returned error: %s\n", err);
     return false;
@@ -435,7 +439,7 @@ static int run_timing(int iters, cudaStream_t st, bool with_shared) {
   pr.dtype = DType::kBF16;
   std::printf("timing shape T=%lld H=%lld F=%lld E=%lld K=%lld Fs=%lld  R=%lld  workspace=%.1f MiB\n",
               (long long)c.T, (long long)c.H, (long long)c.F, (long long)c.E, (long long)c.K, (long long)c.Fs,
-              (long long)pr.row_capacity(), mok::cuda::forward_workspace_bytes(pr) / 1048576.0);
+              (long long)pr.row_capacity(), mok::cuda::forward_workspace_bytes(pr, g_cfg) / 1048576.0);
   Host h;
   make_inputs(c, 1234, h);
   Dev d;
@@ -444,7 +448,7 @@ static int run_timing(int iters, cudaStream_t st, bool with_shared) {
   mok::cuda::ForwardStageEvents se;
   for (auto& e : se.ev) CK(cudaEventCreate(&e));
   for (int i = 0; i < 5; ++i) {
-    const char* err = mok::cuda::forward(pr, args, d.ws, st);
+    const char* err = mok::cuda::forward(pr, args, d.ws, st, nullptr, g_cfg);
     if (err) {
       std::printf("forward error: %s\n", err);
       return 1;
@@ -453,7 +457,7 @@ static int run_timing(int iters, cudaStream_t st, bool with_shared) {
   CK(cudaStreamSynchronize(st));
   std::vector<float> tot, stage[5];
   for (int i = 0; i < iters; ++i) {
-    const char* err = mok::cuda::forward(pr, args, d.ws, st, &se);
+    const char* err = mok::cuda::forward(pr, args, d.ws, st, &se, g_cfg);
     if (err) {
       std::printf("forward error: %s\n", err);
       return 1;
@@ -508,13 +512,18 @@ int main(int argc, char** argv) {
     else if (a == "--timing") timing = true;
     else if (a == "--timing-shared") shared_timing = true;
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
+    else if (a == "--staged") g_cfg.persistent = 0;
+    else if (a == "--dispatch-ctas" && i + 1 < argc) g_cfg.dispatch_ctas = std::atoi(argv[++i]);
+    else if (a == "--minibatch-rows" && i + 1 < argc) g_cfg.minibatch_rows = std::atoi(argv[++i]);
+    else if (a == "--ring-rows" && i + 1 < argc) g_cfg.ring_rows = std::atoi(argv[++i]);
     else if (a == "--case" && i + 1 < argc) { only = argv[++i]; corr = true; small = true; }
   }
   if (!corr && !timing && !shared_timing) corr = timing = true;
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs, cc %d.%d; gemm smem/CTA %d B\n", prop.name, prop.multiProcessorCount, prop.major,
-              prop.minor, mok::cuda::grouped_gemm_smem_bytes());
+  std::printf("device: %s, %d SMs, cc %d.%d; gemm smem/CTA %d B; %s (dispatch_ctas %d, minibatch_rows %d, ring_rows %d; 0 = default)\n",
+              prop.name, prop.multiProcessorCount, prop.major, prop.minor, mok::cuda::grouped_gemm_smem_bytes(),
+              g_cfg.persistent ? "megakernel" : "staged", g_cfg.dispatch_ctas, g_cfg.minibatch_rows, g_cfg.ring_rows);
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   int fails = 0;

@@ -1,0 +1,160 @@
+// The 128x256 wgmma CTA tile shared by the staged grouped GEMM (gemm_wgmma.cu)
+// and the persistent forward megakernel (megakernel_fwd.cu): the shared-memory
+// stage layout, the consumer K loop and the two epilogues.
+//
+// One CTA = 1 producer warpgroup (TMA) + 2 consumer warpgroups; consumer WG cw
+// owns rows [64 cw, 64 cw + 64) of the tile and all 256 columns
+// (wgmma m64n256k16, 128 fp32 accumulators per thread). A stage holds the A
+// tile (128 rows x 64 K, 128-byte swizzle) and the B tile as 4 chunks of
+// 64 N x 64 K (MN-major, read with wgmma's transpose-B bit).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "cuda_ptx.cuh"
+
+namespace mok::cuda::tile {
+
+constexpr int kBM = 128;             // CTA rows (2 consumer WGs x 64)
+constexpr int kBN = 256;             // wgmma N per consumer WG
+constexpr int kBK = 64;              // K per stage (128 B of bf16: one swizzle row)
+constexpr int kStages = 4;
+constexpr int kABytes = kBM * kBK * 2;   // 16 KB
+constexpr int kBBytes = kBK * kBN * 2;   // 32 KB (4 chunks of 64 N x 64 K)
+constexpr int kBChunk = kBK * 64 * 2;    // 8 KB
+constexpr int kStageBytes = kABytes + kBBytes;
+// Epilogue staging: each consumer warp owns 16 rows x 64 bf16 columns (+16 B pad
+// per row: conflict-free 4-byte writes and 16-byte reads), flushed with
+// coalesced 16-byte global stores.
+constexpr int kStgPitch = 64 * 2 + 16;
+constexpr int kStgWarpBytes = 16 * kStgPitch;
+constexpr int kBarrierBytes = 256;   // mbarriers and small shared words
+constexpr int kSmemBytes = kStages * kStageBytes + 1024 /*align slack*/ + kBarrierBytes + 8 * kStgWarpBytes;
+constexpr int kThreads = 384;
+constexpr int kConsumerWarps = 8;
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float silu_mul(float g, float u) {
+  return g * (1.0f / (1.0f + __expf(-g))) * u;
+}
+
+// The consumer K loop of one tile: waits for each stage, issues 4 wgmma k16
+// steps into `acc` (overwriting it at kb = 0), keeps one wgmma group in flight
+// and hands each stage back with release(stage) once its MMAs retired.
+// `it` is the running stage counter shared with the producer.
+template <typename Release>
+__device__ __forceinline__ void mma_k_loop(float (&acc)[128], uint8_t* smem, uint64_t* full_bar, uint32_t& it,
+                                           int k_blocks, int cw, Release&& release) {
+  uint32_t prev_s = 0;
+  for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+    const uint32_t s = it % kStages;
+    const uint32_t par = (it / kStages) & 1;
+    ptx::mbar_wait(&full_bar[s], par);
+    const uint32_t a_base = ptx::smem_u32(smem + s * kStageBytes) + cw * (64 * 128);
+    const uint32_t b_base = ptx::smem_u32(smem + s * kStageBytes + kABytes);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk) {
+      const uint64_t da = ptx::make_smem_desc_sw128(a_base + kk * 32, 16, 1024);
+      const uint64_t db = ptx::make_smem_desc_sw128(b_base + kk * 2048, kBChunk, 1024);
+      ptx::wgmma_m64n256k16_bf16<1>(acc, da, db, (kb | kk) != 0);
+    }
+    ptx::wgmma_commit();
+    if (kb > 0) {
+      ptx::wgmma_wait<1>();
+      release(prev_s);
+    }
+    prev_s = s;
+  }
+  ptx::wgmma_wait<0>();
+  release(prev_s);
+#pragma unroll
+  for (int i = 0; i < 128; ++i) ptx::fence_operand(acc[i]);
+}
+
+// Epilogue writer of one consumer warp: 16 rows starting at `wrow0`, staged
+// 16 x 64 at a time through the warp's `stg` buffer. keep[h] = false writes
+// zeros for the warp's row (lane/4 + 8h).
+struct TileStore {
+  uint8_t* stg;
+  int lane;
+  int wrow0;   // first row of this warp
+  int m_rows;  // rows of the output (bound)
+  int n;       // columns of the output (row pitch)
+  bool keep[2];
+
+  __device__ __forceinline__ void put(int gg, int h, float v0, float v1) const {
+    *reinterpret_cast<uint32_t*>(stg + ((lane >> 2) + h * 8) * kStgPitch + gg * 16 + (lane & 3) * 4) =
+        keep[h] ? pack_bf16x2(v0, v1) : 0u;
+  }
+  __device__ __forceinline__ void flush(__nv_bfloat16* out, int col0) const {
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int idx = lane + 32 * i;
+      const int r = idx >> 3, c = idx & 7;
+      const int row = wrow0 + r, col = col0 + c * 8;
+      const uint4 v = *reinterpret_cast<const uint4*>(stg + r * kStgPitch + c * 16);
+      if (row < m_rows && col < n) *reinterpret_cast<uint4*>(out + static_cast<size_t>(row) * n + col) = v;
+    }
+    __syncwarp();
+  }
+};
+
+// Gate/up epilogue: the 256 accumulator columns are [gate 128 | up 128] of the
+// CTA's 128 output columns starting at n_base; writes bf16 gate, up and
+// silu(gate) * up (computed from the fp32 accumulators).
+__device__ __forceinline__ void store_gate_up(const float (&acc)[128], const TileStore& ts, int n_base,
+                                              __nv_bfloat16* gate, __nv_bfloat16* up, __nv_bfloat16* act) {
+#pragma unroll
+  for (int ch = 0; ch < 2; ++ch) {
+#pragma unroll
+    for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = (ch * 8 + gg) * 4 + h * 2;
+        ts.put(gg, h, acc[i], acc[i + 1]);
+      }
+    ts.flush(gate, n_base + ch * 64);
+#pragma unroll
+    for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 64 + (ch * 8 + gg) * 4 + h * 2;
+        ts.put(gg, h, acc[i], acc[i + 1]);
+      }
+    ts.flush(up, n_base + ch * 64);
+#pragma unroll
+    for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = (ch * 8 + gg) * 4 + h * 2;
+        ts.put(gg, h, silu_mul(acc[i], acc[64 + i]), silu_mul(acc[i + 1], acc[64 + i + 1]));
+      }
+    ts.flush(act, n_base + ch * 64);
+  }
+}
+
+// Plain epilogue: bf16(acc) into 256 columns starting at n_base.
+__device__ __forceinline__ void store_plain(const float (&acc)[128], const TileStore& ts, int n_base,
+                                            __nv_bfloat16* out) {
+#pragma unroll
+  for (int ch = 0; ch < 4; ++ch) {
+#pragma unroll
+    for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = (ch * 8 + gg) * 4 + h * 2;
+        ts.put(gg, h, acc[i], acc[i + 1]);
+      }
+    ts.flush(out, n_base + ch * 64);
+  }
+}
+
+}  // namespace mok::cuda::tile

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One device call for the CUDA forward megakernel: standalone build, SASS check,
+# correctness (default knobs and a tiny ring), timing of the megakernel, its
+# knob variants and the staged path, compute-sanitizer, Python build + GPU pytest.
+# Usage (GPU host, repo root): bash tests/cuda/gpu_session_fwd.sh [steps...]
+#   steps default: build sass corr corr_ring timing staged knobs memcheck racecheck synccheck pytest
+#   PYTEST_K: pytest -k filter (default: megakernel or graphs)
+set -uo pipefail
+# Logs go to $LOGS; $OUT gets them as one file (all_logs.txt): the device
+# tool brings back only a few files.
+final="${OUT:-/tmp/mok_fwd_out}"
+out="${LOGS:-/tmp/mok_fwd_logs}"
+mkdir -p "$out" "$final"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+B=/tmp/mok_fwd_build
+steps="${*:-build sass corr corr_ring timing staged knobs memcheck racecheck synccheck pytest}"
+has() { [[ " $steps " == *" $1 "* ]]; }
+summary=()
+step() {  # step NAME TIMEOUT CMD...
+  local name="$1" to="$2"; shift 2
+  local t0=$SECONDS
+  timeout -s KILL "$to" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -v '^\s*$' "$out/$name.log" | tail -n 1 | cut -c1-150)")")
+  return $rc
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
+if has pytest; then
+  (python3 -m pip install --no-build-isolation --no-deps -e . > "$out/pip.log" 2>&1; echo $? > /tmp/pip.rc) &
+  pip_pid=$!
+fi
+FS=$B/forward_standalone
+if has build; then
+  step build 240 env OUTDIR=$B BUILD_ONLY=1 bash tests/cuda/build_and_run.sh || { tail -40 "$out/build.log"; }
+fi
+if has sass; then
+  { echo "HGMMA per kernel:";
+    for o in megakernel_fwd gemm_wgmma; do cuobjdump --dump-sass $B/$o.o | awk -v o=$o '/Function :/{f=$3} /HGMMA/{c[f]++} /LDL|STL/{l[f]++} END{for(k in c) print o": "c[k]" HGMMA, "l[k]+0" LDL/STL", substr(k,1,90)}'; done;
+    grep -h -A3 "megakernel" $B/megakernel_fwd.ptxas.txt | grep -E "registers|spill" ; } > "$out/sass.txt" 2>&1
+fi
+has corr && step corr 120 $FS --correctness
+has corr_ring && step corr_ring 120 $FS --small --ring-rows 128 --minibatch-rows 128 --dispatch-ctas 1
+has timing && step timing 90 $FS --timing --iters 30
+if has units4; then  # the dispatch copy with four units in flight per warp
+  step build_u4 240 env OUTDIR=$B.u4 BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_DISPATCH_UNITS=4 bash tests/cuda/build_and_run.sh
+  step timing_u4 90 $B.u4/forward_standalone --timing --iters 30
+fi
+has staged && step staged 90 $FS --timing --iters 30 --staged
+if has knobs; then
+  # KNOBS: variants separated by ';'
+  IFS=';' read -ra knobs <<< "${KNOBS:---dispatch-ctas 4;--dispatch-ctas 8;--dispatch-ctas 32;--dispatch-ctas 48;--ring-rows 8192;--minibatch-rows 256;--minibatch-rows 512}"
+  for v in "${knobs[@]}"; do
+    n="knob_$(echo $v | tr -d ' -')"
+    step "$n" 60 $FS --timing --iters 20 $v
+  done
+fi
+has memcheck && step memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 $FS --case odd_dims --ring-rows 128 --dispatch-ctas 2
+has racecheck && step racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 $FS --case base --ring-rows 128
+has synccheck && step synccheck 90 compute-sanitizer --tool synccheck --error-exitcode 9 $FS --case base --ring-rows 128
+if has pytest; then
+  wait $pip_pid
+  summary+=("pip rc=$(cat /tmp/pip.rc)")
+  if [ "$(cat /tmp/pip.rc)" = "0" ]; then
+    step pytest 240 python3 -m pytest -m gpu -q tests/test_gpu.py -k "${PYTEST_K:-megakernel or graphs}"
+  else
+    tail -30 "$out/pip.log"
+  fi
+fi
+echo "================ summary"
+cat "$out/gpu.txt" 2>/dev/null
+cat "$out/sass.txt" 2>/dev/null
+[ -f "$out/corr.log" ] && grep -E "FAIL|correctness" "$out/corr.log" | cut -c1-200
+[ -f "$out/corr_ring.log" ] && grep -E "FAIL|correctness" "$out/corr_ring.log" | cut -c1-200
+for f in timing timing_u4 staged knob_*; do [ -f "$out/$f.log" ] && { echo "-- $f"; grep -E "total   median|schedule|determinism|error" "$out/$f.log" | cut -c1-200; }; done
+for f in memcheck racecheck synccheck; do [ -f "$out/$f.log" ] && { echo "-- $f"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|error" "$out/$f.log" | head -5; }; done
+[ -f "$out/pytest.log" ] && grep -E "passed|failed|Error" "$out/pytest.log" | tail -8
+printf '%s\n' "${summary[@]}"
+for f in "$out"/*; do echo "=================== $(basename "$f")"; cat "$f"; done > "$final/all_logs.txt" 2>&1
