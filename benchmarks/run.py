@@ -9,7 +9,9 @@ Shapes (``--shapes``, comma-separated): an issue-3 GPU shape id (1-4, see
 ``common.SHAPES``), a CPU preset (``cpu-s``, ``cpu-m``), or ``TxHxFxExK``.
 Implementations (``--impls``): ``cpu`` / ``cuda`` (mok_jax's FFI kernels),
 ``xla`` (mok_jax's pure-JAX reference), ``auto``, ``torch``
-(``torch._grouped_mm`` with the same routing, GPU only, when importable).
+(``torch._grouped_mm`` with the same routing, GPU only, when importable),
+``cuda-staged`` (the CUDA backend's staged kernels instead of the persistent
+megakernel).
 
 Timed at `mok_jax.experts` level (routing precomputed, so the load can be
 controlled): the main table uses a random router's routing; the sweep
@@ -64,7 +66,17 @@ CPU_SHAPES = {
 }
 PASSES = ("fwd", "bwd", "fwd+bwd")
 ROUTINGS = ("uniform", "zipf", "all-to-one")
-IMPLS = ("auto", "cpu", "cuda", "xla", "torch")
+IMPLS = ("auto", "cpu", "cuda", "cuda-staged", "xla", "torch")
+
+
+def experts_kwargs(impl):
+    """mok_jax.experts keywords of a benchmark implementation name:
+    "cuda-staged" is the CUDA backend with the staged kernels instead of the
+    persistent megakernel (MegakernelConfig(persistent=False))."""
+    if impl == "cuda-staged":
+        return {"implementation": "cuda",
+                "megakernel": mok_jax.MegakernelConfig(persistent=False)}
+    return {"implementation": impl}
 
 
 def parse_shapes(spec):
@@ -135,7 +147,7 @@ def impl_available(impl, dtype):
     backend = jax.default_backend()
     if impl == "cpu" and backend != "cpu":
         return "the cpu kernels need the CPU backend (run with JAX_PLATFORMS=cpu)"
-    if impl == "cuda":
+    if impl in ("cuda", "cuda-staged"):
         if not _ffi.cuda_built():
             return f"CUDA backend unavailable: {_ffi.CUDA_UNAVAILABLE_REASON}"
         if backend not in ("gpu", "cuda") or not _ffi.cuda_device_supported():
@@ -153,7 +165,8 @@ def impl_available(impl, dtype):
 def jax_pass_fn(impl, pass_, data, probe):
     """A zero-argument callable running one pass, blocking until done."""
     x, ids, w, wg, wu, wd = data
-    f = lambda x, w, wg, wu, wd: mok_jax.experts(x, ids, w, wg, wu, wd, implementation=impl)
+    kw = experts_kwargs(impl)
+    f = lambda x, w, wg, wu, wd: mok_jax.experts(x, ids, w, wg, wu, wd, **kw)
     diff = (x, w, wg, wu, wd)
     if pass_ == "fwd":
         g = jax.jit(f)
@@ -171,7 +184,8 @@ def jax_memory(impl, data, probe):
     """(residual bytes kept between forward and backward, peak bytes of a
     forward+backward step beyond its inputs) of mok_jax.experts."""
     x, ids, w, wg, wu, wd = data
-    f = lambda x, w, wg, wu, wd: mok_jax.experts(x, ids, w, wg, wu, wd, implementation=impl)
+    kw = experts_kwargs(impl)
+    f = lambda x, w, wg, wu, wd: mok_jax.experts(x, ids, w, wg, wu, wd, **kw)
     diff = (x, w, wg, wu, wd)
     step = lambda *a: jax.vjp(f, *a)[1](probe)
     return jax_residual_bytes(f, diff), jax_step_peak_bytes(step, diff)
@@ -292,7 +306,8 @@ def run(args):
                         ms = median_ms(fn, args.warmup, iters)
                         row["peak_bytes"] = jax_peak_bytes()
                         if pass_ == "fwd" and kind == "router":
-                            y = jax.jit(lambda *a: mok_jax.experts(*a, implementation=impl))(*data)
+                            kw = experts_kwargs(impl)
+                            y = jax.jit(lambda *a: mok_jax.experts(*a, **kw))(*data)
                             if impl == "xla":
                                 y_ref = y
                             elif y_ref is not None:
@@ -307,9 +322,12 @@ def run(args):
                 except Exception as err:  # keep going: one failing peer must not lose the run
                     row.update(ms=None, tflops=None, error=f"{type(err).__name__}: {err}"[:300])
                 rows.append(row)
+                if args.partial:  # a run cut short still leaves its rows
+                    with open(args.partial, "w") as f:
+                        json.dump({"meta": meta, "rows": rows}, f, indent=1)
                 tf = "-" if row["tflops"] is None else f"{row['tflops']:.3f} TF/s"
                 ms_s = "-" if row["ms"] is None else f"{row['ms']:.2f} ms"
-                progress.step(f"{name} {kind:10s} {impl:5s} {pass_:7s} {ms_s} {tf}"
+                progress.step(f"{name} {kind:10s} {impl:11s} {pass_:7s} {ms_s} {tf}"
                               + (f"  ERROR {row['error']}" if "error" in row else ""))
         del data, x, wg, wu, wd
     return {"meta": meta, "rows": rows}
@@ -422,6 +440,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--tag", default=None, help="file prefix (default: cpu or gpu)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--partial", default=None,
+                   help="rewrite this JSON file after every row (for runs that may be cut short)")
     p.add_argument("--no-memory", action="store_true",
                    help="skip the residual-bytes / step-peak measurement of fwd+bwd rows")
     args = p.parse_args(argv)
