@@ -10,8 +10,8 @@ Shapes (``--shapes``, comma-separated): an issue-3 GPU shape id (1-4, see
 Implementations (``--impls``): ``cpu`` / ``cuda`` (mok_jax's FFI kernels),
 ``xla`` (mok_jax's pure-JAX reference), ``auto``, ``torch``
 (``torch._grouped_mm`` with the same routing, GPU only, when importable),
-``cuda-staged`` (the CUDA backend's staged kernels instead of the persistent
-megakernel).
+``cuda-megakernel`` (the CUDA backend's persistent megakernel instead of its
+default staged kernels).
 
 Timed at `mok_jax.experts` level (routing precomputed, so the load can be
 controlled): the main table uses a random router's routing; the sweep
@@ -66,16 +66,16 @@ CPU_SHAPES = {
 }
 PASSES = ("fwd", "bwd", "fwd+bwd")
 ROUTINGS = ("uniform", "zipf", "all-to-one")
-IMPLS = ("auto", "cpu", "cuda", "cuda-staged", "xla", "torch")
+IMPLS = ("auto", "cpu", "cuda", "cuda-megakernel", "xla", "torch")
 
 
 def experts_kwargs(impl):
     """mok_jax.experts keywords of a benchmark implementation name:
-    "cuda-staged" is the CUDA backend with the staged kernels instead of the
-    persistent megakernel (MegakernelConfig(persistent=False))."""
-    if impl == "cuda-staged":
+    "cuda-megakernel" is the CUDA backend with the persistent megakernel
+    (MegakernelConfig(persistent=True)) instead of the default staged kernels."""
+    if impl == "cuda-megakernel":
         return {"implementation": "cuda",
-                "megakernel": mok_jax.MegakernelConfig(persistent=False)}
+                "megakernel": mok_jax.MegakernelConfig(persistent=True)}
     return {"implementation": impl}
 
 
@@ -147,7 +147,7 @@ def impl_available(impl, dtype):
     backend = jax.default_backend()
     if impl == "cpu" and backend != "cpu":
         return "the cpu kernels need the CPU backend (run with JAX_PLATFORMS=cpu)"
-    if impl in ("cuda", "cuda-staged"):
+    if impl in ("cuda", "cuda-megakernel"):
         if not _ffi.cuda_built():
             return f"CUDA backend unavailable: {_ffi.CUDA_UNAVAILABLE_REASON}"
         if backend not in ("gpu", "cuda") or not _ffi.cuda_device_supported():

@@ -35,7 +35,7 @@ namespace mok::cuda {
 
 // User knobs (mok_jax.MegakernelConfig); 0 = the default.
 struct MegakernelConfig {
-  int32_t persistent = 1;      // 1: the megakernel; 0: the staged kernels
+  int32_t persistent = 0;      // 1: the megakernel; 0: the staged kernels (the default: faster today)
   int32_t dispatch_ctas = 0;   // default kDefaultDispatchCtas
   int32_t minibatch_rows = 0;  // default kDefaultMinibatchRows
   int32_t ring_rows = 0;       // default min(row capacity, kDefaultRingRows)

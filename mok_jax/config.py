@@ -30,11 +30,14 @@ class MegakernelConfig:
     ``MegakernelConfig()``.
 
     Attributes:
-      persistent: True (default): the forward runs as one persistent
-        megakernel, dispatch CTAs pulling token rows into a ring buffer while
-        compute CTAs run the expert GEMMs on the rows already there. False:
-        the staged sequence of kernels (dispatch, GEMMs, SwiGLU, combine),
-        kept for comparison and as a fallback.
+      persistent: False (default): the staged sequence of kernels (dispatch
+        gather, gate/up GEMM with fused SwiGLU, down GEMM, combine), measured
+        the faster path today (shape 1 on an H200: 5.13 ms against 6.16 ms,
+        docs/design.md). True: the forward runs as one persistent megakernel,
+        dispatch CTAs pulling token rows through a peer-pointer table into a
+        ring buffer while compute CTAs run the expert GEMMs on the rows
+        already there; the three knobs below tune it and need
+        ``persistent=True``.
       dispatch_ctas: CTAs that start in the dispatch role, in ``[1, 64]``;
         None = the library default (16). More pull rows faster but start
         fewer compute CTAs (they join the compute once the dispatch is done).
@@ -46,13 +49,13 @@ class MegakernelConfig:
         tokens beyond it are processed in further macrobatches): a positive
         multiple of 128, at most ``2**30``, and a multiple of (and at least)
         ``minibatch_rows`` when that is given; None = the default
-        (``min(row capacity, 32768)``). Ignored when ``persistent=False``.
+        (``min(row capacity, 32768)``).
 
     Raises:
       TypeError / ValueError naming the field for a bad value.
     """
 
-    persistent: bool = True
+    persistent: bool = False
     dispatch_ctas: int | None = None
     minibatch_rows: int | None = None
     ring_rows: int | None = None
@@ -69,6 +72,12 @@ class MegakernelConfig:
                              f"got {self.dispatch_ctas}")
         _check_rows("minibatch_rows", self.minibatch_rows, MAX_MINIBATCH_ROWS)
         _check_rows("ring_rows", self.ring_rows, MAX_RING_ROWS)
+        if not self.persistent:
+            given = [n for n in ("dispatch_ctas", "minibatch_rows", "ring_rows")
+                     if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"MegakernelConfig.{given[0]} tunes the persistent megakernel: "
+                                 f"pass persistent=True with it (got persistent=False)")
         mb, ring = self.minibatch_rows, self.ring_rows
         # The ring is handed over in whole minibatches.
         if mb is not None and ring is not None and (ring < mb or ring % mb):

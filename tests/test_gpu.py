@@ -209,9 +209,12 @@ STAGED = mok_jax.MegakernelConfig(persistent=False)
 # Knob settings that change the schedule: a ring far smaller than the routed
 # rows (every slot is reused many times: macrobatches), one dispatch CTA,
 # many dispatch CTAs, wide minibatches.
-KNOBS = [mok_jax.MegakernelConfig(ring_rows=256, minibatch_rows=128, dispatch_ctas=1),
-         mok_jax.MegakernelConfig(ring_rows=1024, minibatch_rows=512, dispatch_ctas=64),
-         mok_jax.MegakernelConfig(dispatch_ctas=3, minibatch_rows=256)]
+MEGA = mok_jax.MegakernelConfig(persistent=True)
+KNOBS = [mok_jax.MegakernelConfig(persistent=True, ring_rows=256, minibatch_rows=128,
+                                  dispatch_ctas=1),
+         mok_jax.MegakernelConfig(persistent=True, ring_rows=1024, minibatch_rows=512,
+                                  dispatch_ctas=64),
+         mok_jax.MegakernelConfig(persistent=True, dispatch_ctas=3, minibatch_rows=256)]
 
 
 @pytest.mark.parametrize("case", BENCH[:2] + SMALL[1:3], ids=[str(c) for c in BENCH[:2] + SMALL[1:3]])
@@ -225,7 +228,7 @@ def test_megakernel_equals_staged_bitwise(case):
     aux = mok_jax.route(x, router, top_k=K)
     args = (x, aux.topk_ids, aux.topk_weights, wg, wu, wd, shared)
     want = np.asarray(_cuda_cfg(STAGED, *args))
-    for cfg in [None] + KNOBS:
+    for cfg in [MEGA] + KNOBS:
         got = np.asarray(_cuda_cfg(cfg, *args))
         assert got.tobytes() == want.tobytes(), f"megakernel {cfg} differs from the staged path"
     ref = _f32_reference(*args)
@@ -252,7 +255,8 @@ def test_megakernel_edge_cases_tiny_ring(kind):
     elif kind == "all_masked":
         mask = jnp.zeros((T,), bool)
     w = jax.random.uniform(fresh_key(), (T, K))
-    cfg = mok_jax.MegakernelConfig(ring_rows=128, minibatch_rows=128, dispatch_ctas=2)
+    cfg = mok_jax.MegakernelConfig(persistent=True, ring_rows=128, minibatch_rows=128,
+                                   dispatch_ctas=2)
     y = _cuda_cfg(cfg, x, ids, w, wg, wu, wd, mask=mask)
     y2 = _cuda_cfg(cfg, x, ids, w, wg, wu, wd, mask=mask)
     assert np.asarray(y).tobytes() == np.asarray(y2).tobytes()
@@ -267,7 +271,7 @@ def test_megakernel_edge_cases_tiny_ring(kind):
 
 def test_megakernel_bad_knobs_error_names_argument():
     with pytest.raises(ValueError, match="ring_rows"):
-        mok_jax.MegakernelConfig(ring_rows=100)
+        mok_jax.MegakernelConfig(persistent=True, ring_rows=100)
 
 
 _GRAPH_SCRIPT = r"""
@@ -279,9 +283,12 @@ r = jax.random.normal(jax.random.key(2), (256, 16), jnp.float32)
 wg, wu = [jax.random.normal(jax.random.key(i), (16, 256, 384), jnp.float32).astype(jnp.bfloat16) * 0.05
           for i in (3, 4)]
 wd = jax.random.normal(jax.random.key(5), (16, 384, 256), jnp.float32).astype(jnp.bfloat16) * 0.05
-def loss(x, wg, wu, wd):
-    y, _ = mok_jax.moe_layer(x, r, wg, wu, wd, top_k=4, implementation="cuda")
-    return jnp.sum(y.astype(jnp.float32) ** 2)
+def loss(x, wg, wu, wd):  # the staged default and the persistent megakernel
+    total = 0.0
+    for cfg in (None, mok_jax.MegakernelConfig(persistent=True)):
+        y, _ = mok_jax.moe_layer(x, r, wg, wu, wd, top_k=4, implementation="cuda", megakernel=cfg)
+        total = total + jnp.sum(y.astype(jnp.float32) ** 2)
+    return total
 f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
 outs = [f(x, wg, wu, wd) for _ in range(3)]   # replays
 flat = lambda o: np.concatenate([np.asarray(o[0], np.float32).ravel()] +
@@ -315,8 +322,8 @@ def test_handlers_run_inside_cuda_graphs(tmp_path):
                              env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         res[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    # Forward and backward were each captured into a graph at least once.
-    assert res["graph"]["captured"] >= 2, res
+    # Both forwards and both backwards were captured into a graph at least once.
+    assert res["graph"]["captured"] >= 4, res
     assert res["nograph"]["captured"] == 0, res
     assert res["graph"]["replays_equal"]
     a, b = np.load(tmp_path / "graph.npy"), np.load(tmp_path / "nograph.npy")

@@ -19,7 +19,7 @@ from mok_jax.experts import empty_shared
 from helpers import assert_close, fresh_key, make_problem
 
 H, F, E, K, FS = 16, 24, 8, 2, 8
-CFG = MegakernelConfig(ring_rows=256, minibatch_rows=128, dispatch_ctas=2)
+CFG = MegakernelConfig(persistent=True, ring_rows=256, minibatch_rows=128, dispatch_ctas=2)
 
 
 # --------------------------------------------------------------------------
@@ -39,8 +39,9 @@ CFG = MegakernelConfig(ring_rows=256, minibatch_rows=128, dispatch_ctas=2)
     ("persistent", None, TypeError),
 ])
 def test_bad_values_name_the_field(field, value, error):
+    kw = {} if field == "persistent" else {"persistent": True}
     with pytest.raises(error, match=f"MegakernelConfig\\.{field}\\b") as info:
-        MegakernelConfig(**{field: value})
+        MegakernelConfig(**kw, **{field: value})
     # ...and say what was given.
     want = f"got {value}" if error is ValueError else type(value).__name__
     assert want in str(info.value)
@@ -48,7 +49,7 @@ def test_bad_values_name_the_field(field, value, error):
 
 def test_minibatch_message():
     with pytest.raises(ValueError) as info:
-        MegakernelConfig(minibatch_rows=100)
+        MegakernelConfig(persistent=True, minibatch_rows=100)
     assert str(info.value) == \
         "MegakernelConfig.minibatch_rows must be a positive multiple of 128, got 100"
 
@@ -56,7 +57,7 @@ def test_minibatch_message():
 @pytest.mark.parametrize("ring,mb", [(384, 256), (128, 256), (640, 256)])
 def test_ring_must_hold_whole_minibatches(ring, mb):
     with pytest.raises(ValueError, match=r"MegakernelConfig\.ring_rows .*minibatch_rows"):
-        MegakernelConfig(ring_rows=ring, minibatch_rows=mb)
+        MegakernelConfig(persistent=True, ring_rows=ring, minibatch_rows=mb)
 
 
 def test_valid_edges():
@@ -64,6 +65,8 @@ def test_valid_edges():
                dict(ring_rows=2**30), dict(ring_rows=384), dict(ring_rows=512, minibatch_rows=256),
                dict(ring_rows=256, minibatch_rows=256), dict(persistent=False),
                dict(persistent=np.bool_(True)), dict(dispatch_ctas=np.int32(3))):
+        if "persistent" not in kw:
+            kw["persistent"] = True
         cfg = MegakernelConfig(**kw)
         for name, v in kw.items():
             assert getattr(cfg, name) == v
@@ -72,29 +75,39 @@ def test_valid_edges():
 def test_defaults_and_ffi_attrs():
     cfg = MegakernelConfig()
     assert (cfg.persistent, cfg.dispatch_ctas, cfg.minibatch_rows, cfg.ring_rows) == \
-        (True, None, None, None)
+        (False, None, None, None)
     attrs = cfg.ffi_attrs()
     assert list(attrs) == ["persistent", "dispatch_ctas", "minibatch_rows", "ring_rows"]
     assert all(type(v) is np.int32 for v in attrs.values())
     assert {k: int(v) for k, v in attrs.items()} == \
-        {"persistent": 1, "dispatch_ctas": 0, "minibatch_rows": 0, "ring_rows": 0}
-    got = MegakernelConfig(persistent=False, dispatch_ctas=5, minibatch_rows=256,
+        {"persistent": 0, "dispatch_ctas": 0, "minibatch_rows": 0, "ring_rows": 0}
+    got = MegakernelConfig(persistent=True, dispatch_ctas=5, minibatch_rows=256,
                            ring_rows=1024).ffi_attrs()
     assert all(type(v) is np.int32 for v in got.values())
     assert {k: int(v) for k, v in got.items()} == \
-        {"persistent": 0, "dispatch_ctas": 5, "minibatch_rows": 256, "ring_rows": 1024}
+        {"persistent": 1, "dispatch_ctas": 5, "minibatch_rows": 256, "ring_rows": 1024}
+
+
+def test_knobs_need_persistent():
+    """The three knobs tune the megakernel only: with the staged default they
+    would be silently unused, so they are an error naming the knob."""
+    for name in ("dispatch_ctas", "minibatch_rows", "ring_rows"):
+        with pytest.raises(ValueError, match=f"MegakernelConfig\\.{name} .*persistent=True"):
+            MegakernelConfig(**{name: 256 if name != "dispatch_ctas" else 4})
 
 
 def test_hashable_equal_and_frozen():
-    same = MegakernelConfig(ring_rows=256, minibatch_rows=128, dispatch_ctas=2)
+    same = MegakernelConfig(persistent=True, ring_rows=256, minibatch_rows=128, dispatch_ctas=2)
     assert same == CFG and hash(same) == hash(CFG)
     # numpy scalars are normalised: the same config, the same jit cache entry.
-    np_cfg = MegakernelConfig(ring_rows=np.int64(256), minibatch_rows=np.int32(128),
+    np_cfg = MegakernelConfig(persistent=np.bool_(True), ring_rows=np.int64(256),
+                              minibatch_rows=np.int32(128),
                               dispatch_ctas=np.int16(2))
     assert np_cfg == CFG and hash(np_cfg) == hash(CFG)
     assert type(np_cfg.ring_rows) is int
-    assert CFG != MegakernelConfig(ring_rows=256, minibatch_rows=128, dispatch_ctas=3)
-    assert MegakernelConfig() != MegakernelConfig(persistent=False)
+    assert CFG != MegakernelConfig(persistent=True, ring_rows=256, minibatch_rows=128,
+                                   dispatch_ctas=3)
+    assert MegakernelConfig() != MegakernelConfig(persistent=True)
     assert len({CFG: 0, same: 1, MegakernelConfig(): 2}) == 2
     with pytest.raises(dataclasses.FrozenInstanceError):
         CFG.ring_rows = 512
@@ -112,7 +125,7 @@ def _routing(T):
     return ids, w
 
 
-@pytest.mark.parametrize("cfg", [CFG, MegakernelConfig(persistent=False), MegakernelConfig()])
+@pytest.mark.parametrize("cfg", [CFG, MegakernelConfig(persistent=True), MegakernelConfig()])
 def test_experts_cpu_ignores_config(cfg):
     x, _, wg, wu, wd, sh = make_problem(300, H, F, E, shared_ffn=FS)
     ids, w = _routing(300)
@@ -288,8 +301,8 @@ def _cuda_problem(T=256, Hc=64, Fc=64, Fs=0):
 
 @pytest.mark.parametrize("cfg,want", [
     (CFG, (1, 2, 128, 256)),
-    (None, (1, 0, 0, 0)),
-    (MegakernelConfig(persistent=False, ring_rows=512), (0, 0, 0, 512)),
+    (None, (0, 0, 0, 0)),
+    (MegakernelConfig(persistent=True, ring_rows=512), (1, 0, 0, 512)),
 ])
 def test_cuda_forward_gets_the_knobs(fake_cuda, cfg, want):
     """forward_call passes the knobs as the FFI attributes of the CUDA forward
@@ -332,7 +345,7 @@ def test_cuda_forward_call_direct(fake_cuda):
     x, ids, w, wg, wu, wd, _ = _cuda_problem()
     wsg, wsu, wsd = empty_shared(x.shape[1], x.dtype, False)
     inputs = (x, ids, w, jnp.ones((x.shape[0],), jnp.uint8), wg, wu, wd, wsg, wsu, wsd)
-    cfg = MegakernelConfig(dispatch_ctas=64, minibatch_rows=8192)
+    cfg = MegakernelConfig(persistent=True, dispatch_ctas=64, minibatch_rows=8192)
     out = jax.jit(lambda *a: _ffi.forward_call("cuda", a, megakernel=cfg)).trace(*inputs)
     text = out.lower(lowering_platforms=("cuda",)).as_text()
     assert "dispatch_ctas = 64 : i32, minibatch_rows = 8192 : i32, persistent = 1 : i32, " \
