@@ -16,8 +16,9 @@
 
 #include <algorithm>
 
-#include "forward_cuda.h"
+#include "combine_row.cuh"
 #include "cuda_problem.h"
+#include "forward_cuda.h"
 #include "gemm_wgmma.cuh"
 
 namespace mok::cuda {
@@ -123,14 +124,7 @@ __global__ void __launch_bounds__(kCombThreads) combine_bwd(int64_t T, int64_t v
         if (r >= 0) acc8(a, __ldg(dxs + int64_t(r) * vec_per_row + c));
       }
       if (sdx) acc8(a, __ldg(sdx + t * vec_per_row + c));
-      uint4 o;
-      uint32_t* op = reinterpret_cast<uint32_t*>(&o);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        __nv_bfloat162 b = __floats2bfloat162_rn(a[2 * i], a[2 * i + 1]);
-        op[i] = *reinterpret_cast<uint32_t*>(&b);
-      }
-      drow[c] = o;
+      drow[c] = combine_pack8(a);
     }
   }
 }
