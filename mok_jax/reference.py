@@ -61,23 +61,30 @@ def experts_xla(x, topk_ids, topk_weights, token_mask, w_gate, w_up, w_down, sha
     valid = jnp.repeat(token_mask, K)
     # Masked pairs ride along in the last expert with zero rows (silu(0)*0 = 0)
     # and are excluded again in the combine.
-    key = jnp.where(valid, topk_ids.reshape(-1), E - 1).astype(jnp.int32)
-    row, tile_expert = _padded_layout(key, E, R)
-    src = jnp.where(valid[:, None], jnp.repeat(x, K, axis=0), jnp.zeros((), x.dtype))
-    rows = jnp.zeros((R, H), x.dtype).at[row].set(src, unique_indices=True)
+    # Named scopes per stage, so profiles of this path read like the kernels'
+    # stages (the FFI paths are one fused op under mok_experts_<impl>).
+    with jax.named_scope("mok_schedule"):
+        key = jnp.where(valid, topk_ids.reshape(-1), E - 1).astype(jnp.int32)
+        row, tile_expert = _padded_layout(key, E, R)
+    with jax.named_scope("mok_dispatch"):
+        src = jnp.where(valid[:, None], jnp.repeat(x, K, axis=0), jnp.zeros((), x.dtype))
+        rows = jnp.zeros((R, H), x.dtype).at[row].set(src, unique_indices=True)
 
     def grouped(r, w):
         n = r.shape[-1]
         return _tile_matmul(r.reshape(-1, TILE, n), w, tile_expert).reshape(R, -1)
 
-    out = _swiglu_ffn(rows, w_gate, w_up, w_down, grouped)[row].reshape(T, K, H)
-    w = jnp.where(token_mask[:, None], topk_weights.astype(jnp.float32), 0.0)
-    y = jnp.zeros((T, H), jnp.float32)
-    if shared is not None:  # the CPU kernel's accumulator starts from the shared expert
-        xs = jnp.where(token_mask[:, None], x, jnp.zeros((), x.dtype))
-        dense = lambda r, w: jnp.dot(r, w, precision=jax.lax.Precision.HIGHEST,
-                                     preferred_element_type=jnp.float32)
-        y = jnp.where(token_mask[:, None], _swiglu_ffn(xs, *shared, dense), 0.0)
-    for k in range(K):  # then adds k = 0..K-1 in order
-        y = y + jnp.where(token_mask[:, None], w[:, k:k + 1] * out[:, k], 0.0)
-    return y.astype(x.dtype)
+    with jax.named_scope("mok_expert_ffn"):
+        out = _swiglu_ffn(rows, w_gate, w_up, w_down, grouped)
+    with jax.named_scope("mok_combine"):
+        out = out[row].reshape(T, K, H)
+        w = jnp.where(token_mask[:, None], topk_weights.astype(jnp.float32), 0.0)
+        y = jnp.zeros((T, H), jnp.float32)
+        if shared is not None:  # the CPU kernel's accumulator starts from the shared expert
+            xs = jnp.where(token_mask[:, None], x, jnp.zeros((), x.dtype))
+            dense = lambda r, w: jnp.dot(r, w, precision=jax.lax.Precision.HIGHEST,
+                                         preferred_element_type=jnp.float32)
+            y = jnp.where(token_mask[:, None], _swiglu_ffn(xs, *shared, dense), 0.0)
+        for k in range(K):  # then adds k = 0..K-1 in order
+            y = y + jnp.where(token_mask[:, None], w[:, k:k + 1] * out[:, k], 0.0)
+        return y.astype(x.dtype)

@@ -91,3 +91,17 @@ def test_checkpoint_around_the_layer():
     want = jax.grad(f, argnums=(0, 2))(x, router, wg, wu, wd)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_named_scopes_label_the_stages_in_profiles():
+    """Profiles show the router and the stages: jax.named_scope names reach the
+    HLO op metadata (what the profiler shows)."""
+    x, router, wg, wu, wd, _ = make_problem(40, 8, 12, 4)
+    names = {"xla": ("mok_route", "mok_experts_xla", "mok_schedule", "mok_dispatch",
+                     "mok_expert_ffn", "mok_combine"),
+             "cpu": ("mok_route", "mok_experts_cpu")}
+    for impl, want in names.items():
+        f = lambda x: mok_jax.moe_layer(x, router, wg, wu, wd, top_k=2, implementation=impl)[0]
+        text = jax.jit(f).lower(x).as_text(debug_info=True)
+        for name in want:
+            assert name in text, (impl, name)
