@@ -163,13 +163,15 @@ def torch_peers(data, warmup, iters):
 
 
 def git_commit():
-    """Short commit of the checkout; MOK_JAX_COMMIT when there is no .git (a
-    source archive copied to a GPU host)."""
+    """MOK_JAX_COMMIT when set (a copy of the tree on a GPU host, whose .git may
+    be stale or absent), else the checkout's short commit."""
+    if os.environ.get("MOK_JAX_COMMIT"):
+        return os.environ["MOK_JAX_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
                                        text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return os.environ.get("MOK_JAX_COMMIT", "unknown")
+        return "unknown"
 
 
 # ------------------------------------------------------------ memory of a training step

@@ -31,7 +31,6 @@ enum Counter : int { kTicket = 0, kRole = 1, kDispatchTicket = 2, kDownDone = 3,
 constexpr int kTaskSlots = 2;           // task hand-over ring (producer -> consumers)
 constexpr int kDispatchWarps = kThreads / 32;
 constexpr int kConsumerThreads = 256;
-constexpr int kConsumerBarrier = 1;     // named barrier id of the two consumer warpgroups
 constexpr int kCombineBarrier = 2;      // producer warp -> consumers: every down task is done
 // A wait that lasts this long means a broken protocol (or a lost peer at
 // EP > 1): flag it and trap rather than hang.
@@ -90,9 +89,6 @@ __device__ __forceinline__ void combine_bar_arrive() {
 }
 __device__ __forceinline__ void combine_bar_sync() {
   asm volatile("bar.sync %0, %1;" ::"n"(kCombineBarrier), "n"(kConsumerThreads + 32) : "memory");
-}
-__device__ __forceinline__ void consumer_bar() {
-  asm volatile("bar.sync %0, %1;" ::"n"(kConsumerBarrier), "n"(kConsumerThreads) : "memory");
 }
 
 // Spins until *p >= target (acquire). Traps after kWaitTimeoutNs with flags bit 1.
@@ -258,28 +254,58 @@ __device__ void dispatch_role(const MegaParams& p, int role, int n_used, int n_t
 
 // ------------------------------------------------------------ combine role
 // Fixed k order, fp32, then the shared expert (combine_row.cuh, bitwise the
-// staged combine). Not inlined: inlined into the kernel it made ptxas keep
-// its values live across the task loop and spill ~300 B per thread there.
+// staged combine). Each thread takes two tokens at a time and loads up to
+// kCombineChunk rows of each before adding: one token at a time left the
+// combine latency-bound at ~2x the staged kernel's time (it has 8x the
+// resident threads). Not inlined, to keep the kernel's register allocation
+// for the task loop.
+constexpr int kCombineChunk = 8;
+constexpr int kCombineTokens = 2;
+
 __device__ __noinline__ void combine_tokens(const MegaParams& p, int ct) {
   const int vec = p.H / 8;
   const uint4* out = reinterpret_cast<const uint4*>(p.routed_out);
-  for (int64_t t = blockIdx.x; t < p.T; t += gridDim.x) {
-    uint4* yrow = p.y + t * vec;
-    if (p.token_mask[t] == 0) {
-      for (int c = ct; c < vec; c += kConsumerThreads) yrow[c] = make_uint4(0, 0, 0, 0);
-      continue;
+  const int64_t step = int64_t(gridDim.x) * kCombineTokens;
+  for (int64_t t0 = blockIdx.x; t0 < p.T; t0 += step) {
+    int64_t tok[kCombineTokens];
+    bool live[kCombineTokens];
+#pragma unroll
+    for (int j = 0; j < kCombineTokens; ++j) {
+      tok[j] = t0 + int64_t(j) * gridDim.x;
+      live[j] = tok[j] < p.T && p.token_mask[tok[j]] != 0;
     }
     for (int c = ct; c < vec; c += kConsumerThreads) {
-      float a[8];
+      float a[kCombineTokens][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) a[i] = 0.f;
-      for (int k = 0; k < p.K; ++k) {
-        const int32_t r = p.pair_row[t * p.K + k];
-        // Plain (coherent) load: these rows were written during this kernel.
-        if (r >= 0) combine_acc8(a, out[int64_t(r) * vec + c], p.topk_weights[t * p.K + k]);
+      for (int j = 0; j < kCombineTokens; ++j)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a[j][i] = 0.f;
+      for (int k0 = 0; k0 < p.K; k0 += kCombineChunk) {
+        uint4 v[kCombineTokens][kCombineChunk];
+#pragma unroll
+        for (int j = 0; j < kCombineTokens; ++j)
+#pragma unroll
+          for (int kk = 0; kk < kCombineChunk; ++kk) {
+            const int k = k0 + kk;
+            const int32_t r = (live[j] && k < p.K) ? p.pair_row[tok[j] * p.K + k] : -1;
+            // Plain (coherent) load: these rows were written during this kernel.
+            v[j][kk] = r >= 0 ? out[int64_t(r) * vec + c] : make_uint4(0, 0, 0, 0);
+          }
+#pragma unroll
+        for (int j = 0; j < kCombineTokens; ++j)
+#pragma unroll
+          for (int kk = 0; kk < kCombineChunk; ++kk) {
+            const int k = k0 + kk;
+            if (!live[j] || k >= p.K) continue;
+            if (p.pair_row[tok[j] * p.K + k] >= 0) combine_acc8(a[j], v[j][kk], p.topk_weights[tok[j] * p.K + k]);
+          }
       }
-      if (p.shared_out) combine_acc8(a, __ldg(p.shared_out + t * vec + c), 1.0f);
-      yrow[c] = combine_pack8(a);
+#pragma unroll
+      for (int j = 0; j < kCombineTokens; ++j) {
+        if (tok[j] >= p.T) continue;
+        if (live[j] && p.shared_out) combine_acc8(a[j], __ldg(p.shared_out + tok[j] * vec + c), 1.0f);
+        p.y[tok[j] * vec + c] = live[j] ? combine_pack8(a[j]) : make_uint4(0, 0, 0, 0);
+      }
     }
   }
 }
@@ -297,7 +323,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* task_empty = task_full + kTaskSlots;
   int4* task_info = reinterpret_cast<int4*>(task_empty + kTaskSlots);
   int* bcast = reinterpret_cast<int*>(task_info + kTaskSlots);
-  static_assert(8 * (2 * kStages + 2 * kTaskSlots) + 16 * kTaskSlots + 16 <= tile::kBarrierBytes, "barrier area");
+  // Finished tasks, consumers -> signaller warp (which publishes them).
+  uint64_t* done_full = reinterpret_cast<uint64_t*>(bcast + 4);
+  uint64_t* done_empty = done_full + kTaskSlots;
+  int2* done_info = reinterpret_cast<int2*>(done_empty + kTaskSlots);
+  static_assert(8 * (2 * kStages + 2 * kTaskSlots) + 16 * kTaskSlots + 16 + 16 * kTaskSlots + 8 * kTaskSlots <=
+                    tile::kBarrierBytes,
+                "barrier area");
   static_assert(8 * 8192 <= kStages * kStageBytes, "dispatch source table (minibatch_rows <= 8192)");
 
   if (threadIdx.x == 0) {
@@ -308,6 +340,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kTaskSlots; ++s) {
       ptx::mbar_init(&task_full[s], 1);
       ptx::mbar_init(&task_empty[s], tile::kConsumerWarps);
+      ptx::mbar_init(&done_full[s], tile::kConsumerWarps);
+      ptx::mbar_init(&done_empty[s], 1);
     }
     ptx::fence_barrier_init();
     bcast[1] = atomicAdd(&p.ctr[kRole], 1);  // roles go to CTAs in the order they start
@@ -339,8 +373,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       ptx::tma_prefetch_desc(&tm_act);
       ptx::tma_prefetch_desc(&tm_wd);
       uint32_t it = 0, q = 0;
+      // The next ticket is claimed while this one's loads are issued, so the
+      // atomic's round trip is off the path between two tasks. Holding one
+      // ticket ahead cannot deadlock: the lowest unfinished ticket is always
+      // the one its CTA is working on, and its waits point lower still.
+      int next = atomicAdd(&p.ctr[kTicket], 1);
       for (;;) {
-        const Task t = decode_ticket(atomicAdd(&p.ctr[kTicket], 1), n_mb, p.lag, gu_sz, d_sz);
+        const Task t = decode_ticket(next, n_mb, p.lag, gu_sz, d_sz);
+        if (t.kind >= 0) next = atomicAdd(&p.ctr[kTicket], 1);
         int tile = -1, nb = 0;
         if (t.kind >= 0) {
           const int per_tile = t.kind == 0 ? p.nb_gu : p.nb_d;
@@ -380,6 +420,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
+    if (threadIdx.x == 32) {
+      // Signaller (warp 1): publishes each finished task with a gpu-scope
+      // fence and a release add, so the consumers never stall on the fence
+      // (one consumer thread doing it stalled its warpgroup's next wgmma).
+      for (uint32_t n = 0;; ++n) {
+        const uint32_t ds = n % kTaskSlots;
+        ptx::mbar_wait(&done_full[ds], (n / kTaskSlots) & 1);
+        const int2 info = done_info[ds];
+        if (info.x < 0) break;
+        __threadfence();
+        red_release_add(info.x == 0 ? &gu_done[info.y] : &p.ctr[kDownDone], 1);
+        ptx::mbar_arrive(&done_empty[ds]);
+      }
+    }
     if (threadIdx.x < 32) {  // warp 0 lets the consumers into the combine
       if (threadIdx.x == 0) wait_at_least(&p.ctr[kDownDone], n_tiles * p.nb_d, p.flags);
       __syncwarp();
@@ -395,6 +449,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto release = [&](uint32_t s) {
       if (lane == 0) ptx::mbar_arrive(&empty_bar[s]);
     };
+    // Task n's end goes to the signaller through done slot n % kTaskSlots:
+    // each warp's stores, __syncwarp, then its lane 0 arrives (release);
+    // thread 128 also writes what was done (-1: no task left).
+    auto hand_over = [&](uint32_t n, int kind, int m) {
+      const uint32_t ds = n % kTaskSlots;
+      __syncwarp();
+      if (lane == 0) {
+        ptx::mbar_wait(&done_empty[ds], ((n / kTaskSlots) & 1) ^ 1);
+        if (threadIdx.x == 128) done_info[ds] = make_int2(kind, m);
+        ptx::mbar_arrive(&done_full[ds]);
+      }
+      __syncwarp();
+    };
     uint32_t it = 0, q = 0;
     for (;;) {
       const uint32_t qs = q % kTaskSlots;
@@ -403,7 +470,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(&task_empty[qs]);
       ++q;
-      if (info.x < 0) break;
+      if (info.x < 0) {
+        hand_over(q - 1, -1, 0);
+        break;
+      }
       const bool gu = info.x == 0;
       const int tile = info.y, nb = info.z, m = info.w;
       // Each kind gets its own accumulator scope: sharing one across both
@@ -423,12 +493,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         tile::TileStore ts{stg, lane, tile * kBM + cw * 64 + warp * 16, p.R, p.H, {true, true}};
         tile::store_plain(acc, ts, nb * 256, p.routed_out);
       }
-      // Hand the tile over: all 256 consumer threads' stores, then one release add.
-      consumer_bar();
-      if (threadIdx.x == 128) {
-        __threadfence();
-        red_release_add(gu ? &gu_done[m] : &p.ctr[kDownDone], 1);
-      }
+      hand_over(q - 1, info.x, m);
     }
 
     // ------------------------------------------------------------ combine
