@@ -14,21 +14,7 @@ mkdir -p "$out" "$final"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 B=/tmp/mok_fwd_build
 steps="${*:-build sass corr corr_ring timing staged knobs memcheck racecheck synccheck pytest}"
-has() { [[ " $steps " == *" $1 "* ]]; }
-summary=()
-step() {  # step NAME TIMEOUT CMD...
-  local name="$1" to="$2"; shift 2
-  local t0=$SECONDS
-  timeout -s KILL "$to" "$@" >"$out/$name.log" 2>&1
-  local rc=$?
-  summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -v '^\s*$' "$out/$name.log" | tail -n 1 | cut -c1-150)")")
-  return $rc
-}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
-if has pytest; then
-  (python3 -m pip install --no-build-isolation --no-deps -e . > "$out/pip.log" 2>&1; echo $? > /tmp/pip.rc) &
-  pip_pid=$!
-fi
+source "$(dirname "$0")/session_common.sh"
 FS=$B/forward_standalone
 if has build; then
   step build 240 env OUTDIR=$B BUILD_ONLY=1 bash tests/cuda/build_and_run.sh || { tail -40 "$out/build.log"; }

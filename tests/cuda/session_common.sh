@@ -1,0 +1,18 @@
+# Shared by gpu_session_fwd.sh and gpu_session_bwd.sh (sourced after they set
+# $out and $steps): step selection, logged and timed steps, the GPU's clocks,
+# and the Python build started in the background when pytest is a step.
+has() { [[ " $steps " == *" $1 "* ]]; }
+summary=()
+step() {  # step NAME TIMEOUT CMD...: logs to $out/NAME.log, records rc, time, last line
+  local name="$1" to="$2"; shift 2
+  local t0=$SECONDS
+  timeout -s KILL "$to" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -v '^\s*$' "$out/$name.log" | tail -n 1 | cut -c1-150)")")
+  return $rc
+}
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv; } > "$out/gpu.txt" 2>&1
+if has pytest; then
+  (python3 -m pip install --no-build-isolation --no-deps -e . > "$out/pip.log" 2>&1; echo $? > /tmp/pip.rc) &
+  pip_pid=$!
+fi
