@@ -32,8 +32,9 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
       token_mask: optional bool ``[...]``: False marks padding tokens; they are not
         dispatched, their output is exactly zero and they count in no aux value.
       implementation: "xla" (pure JAX reference), "cpu" (the C++ FFI kernels),
-        "cuda" (the Hopper megakernel, bfloat16), or "auto" (the FFI kernel of
-        the default backend where one applies, else "xla"). With a mesh, the
+        "cuda" (the Hopper kernels, bfloat16: staged, or the persistent
+        megakernel, see ``megakernel``), or "auto" (the FFI kernel of the
+        default backend where one applies, else "xla"). With a mesh, the
         per-rank kernel: "auto" is "cpu" on CPU devices, "cuda" on Hopper GPUs.
       megakernel: None (the defaults) or a `mok_jax.MegakernelConfig`: how the
         CUDA forward runs (persistent megakernel or staged kernels, dispatch
