@@ -44,6 +44,25 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
   return g * (1.0f / (1.0f + __expf(-g))) * u;
 }
 
+// Tile rasterisation shared by every persistent GEMM loop: unit u -> (m tile,
+// n tile). Units walk down a band of `group_m` m tiles for one n tile, then the
+// next n tile, then the next band. A wave of concurrent CTAs (one per SM) then
+// reads about group_m A tiles and wave / group_m B tiles, which stay in L2;
+// group_m = 1 is the plain m-major order, where a wave reads one A tile and
+// n_tiles B tiles: for wide N (Mixtral's gate/up: 112 tiles of 2 MB) those
+// outgrow L2 and each m tile re-reads the weights from HBM.
+struct TileCoord {
+  int mt, nt;
+};
+__device__ __forceinline__ TileCoord raster(int u, int m_tiles, int n_tiles, int group_m) {
+  const int band_units = group_m * n_tiles;
+  const int band = u / band_units;
+  const int r = u - band * band_units;
+  const int m0 = band * group_m;
+  const int rows = min(group_m, m_tiles - m0);  // the last band may be shorter
+  return {m0 + r % rows, r / rows};
+}
+
 // The consumer K loop of one tile: waits for each stage, issues 4 wgmma k16
 // steps into `acc` (overwriting it at kb = 0), keeps one wgmma group in flight
 // and hands each stage back with release(stage) once its MMAs retired.

@@ -74,6 +74,7 @@ struct KParams {
   int k_blocks;
   int n_tiles;
   int m_tiles;
+  int group_m;  // rasterisation band (tile::raster), in cluster units
   const int32_t* tile_group;
   const uint8_t* row_mask;
   __nv_bfloat16* out0;
@@ -132,8 +133,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (kFused) ptx::tma_prefetch_desc(&tm_b1);
       uint32_t it = 0;
       for (int u = cid; u < num_units; u += ncl) {
-        const int mu = u / p.n_tiles;
-        const int nt = u - mu * p.n_tiles;
+        const tile::TileCoord c = tile::raster(u, m_units, p.n_tiles, p.group_m);
+        const int mu = c.mt, nt = c.nt;
         const int mt = mu * kCluster + static_cast<int>(crank);
         const int g_self = group_of(mt);
         const int g_peer = kCluster > 1 ? group_of(mu * kCluster + static_cast<int>(crank ^ 1)) : -1;
@@ -187,8 +188,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     uint32_t it = 0;
     for (int u = cid; u < num_units; u += ncl) {
-      const int mu = u / p.n_tiles;
-      const int nt = u - mu * p.n_tiles;
+      const tile::TileCoord c = tile::raster(u, m_units, p.n_tiles, p.group_m);
+      const int mu = c.mt, nt = c.nt;
       const int mt = mu * kCluster + static_cast<int>(crank);
       const int g_self = group_of(mt);
       const int g_peer = kCluster > 1 ? group_of(mu * kCluster + static_cast<int>(crank ^ 1)) : -1;
@@ -245,6 +246,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+
+}  // namespace
+
+// Rasterisation band of every persistent GEMM loop (tile::raster): 8 unless
+// MOK_CUDA_GEMM_GROUP_M overrides it (1 = plain m-major order), for measurement.
+int gemm_group_m() {
+  static const int v = [] {
+    const char* e = std::getenv("MOK_CUDA_GEMM_GROUP_M");
+    const int g = e != nullptr ? std::atoi(e) : 0;
+    return g >= 1 && g <= 64 ? g : 8;
+  }();
+  return v;
+}
+
+namespace {
 
 // Cluster size of the GEMM launches: 1 unless MOK_CUDA_GEMM_CLUSTER=2 (B multicast
 // across CTA pairs: correct, but measured slower on H200, see the report).
@@ -338,6 +354,7 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   p.zero_unused = a.zero_unused_tiles ? 1 : 0;
 
   const int cluster = gemm_cluster_size();
+  p.group_m = std::max(1, gemm_group_m() / cluster);
   if (fused) {
     if (cluster == 2) return launch_kernel<true, 2>(tm_a, tm_b0, tm_b1, p, num_sms, stream);
     return launch_kernel<true, 1>(tm_a, tm_b0, tm_b1, p, num_sms, stream);

@@ -62,6 +62,10 @@ PFN_cuTensorMapEncodeTiled_v12000 get_encoder();
 bool make_map_a(CUtensorMap* m, const void* ptr, int64_t rows, int64_t k);
 bool make_map_b(CUtensorMap* m, const void* ptr, int64_t groups, int64_t k, int64_t n);
 
+// Rasterisation band (m tiles) of the persistent GEMM loops, see tile::raster:
+// 8, or MOK_CUDA_GEMM_GROUP_M (read once) for measurements.
+int gemm_group_m();
+
 // Dynamic shared memory one GEMM CTA uses (for reports).
 int grouped_gemm_smem_bytes();
 

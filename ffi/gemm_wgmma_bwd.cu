@@ -18,6 +18,7 @@
 #include <mutex>
 
 #include "cuda_ptx.cuh"
+#include "gemm_tile.cuh"
 #include "gemm_wgmma.cuh"
 
 namespace mok::cuda {
@@ -70,6 +71,7 @@ struct BParams {
   const int32_t* offsets;
   // both
   int units;
+  int group_m;  // rasterisation band (tile::raster)
 };
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
@@ -94,8 +96,9 @@ __device__ __forceinline__ Unit decode(const BParams& p, int u) {
   x.job = 0;
   x.row0 = 0;
   if (kMode != kWgrad) {
-    x.mt = u / p.n_tiles;
-    x.nt = u - x.mt * p.n_tiles;
+    const tile::TileCoord c = tile::raster(u, p.m_tiles, p.n_tiles, p.group_m);
+    x.mt = c.mt;
+    x.nt = c.nt;
     x.grp = p.tile_group ? p.tile_group[x.mt] : 0;
     x.skip = x.grp < 0;
     x.kb_count = p.k_blocks;
@@ -113,8 +116,9 @@ __device__ __forceinline__ Unit decode(const BParams& p, int u) {
     const int r = v - g * per;
     x.job = j;
     x.grp = g;
-    x.mt = r / jb.n_tiles;
-    x.nt = r - x.mt * jb.n_tiles;
+    const tile::TileCoord c = tile::raster(r, jb.m_tiles, jb.n_tiles, p.group_m);
+    x.mt = c.mt;
+    x.nt = c.nt;
     const int r0 = p.offsets ? p.offsets[g] : 0;
     const int r1 = p.offsets ? p.offsets[g + 1] : p.rows;
     x.row0 = r0;
@@ -394,7 +398,7 @@ bool al16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 constexpr int64_t kMaxInt = (int64_t(1) << 31) - 1024;
 
 template <int kMode>
-const char* launch(const Maps& maps, const BParams& p, int num_sms, cudaStream_t stream) {
+const char* launch(const Maps& maps, BParams p, int num_sms, cudaStream_t stream) {
   auto* kern = bwd_gemm_kernel<kMode>;
   static std::atomic<int> attr_done{0};
   if (attr_done.load() == 0) {
@@ -403,6 +407,7 @@ const char* launch(const Maps& maps, const BParams& p, int num_sms, cudaStream_t
     attr_done.store(1);
   }
   if (p.units <= 0) return nullptr;
+  p.group_m = gemm_group_m();
   const int grid = std::max(1, std::min(p.units, num_sms));
   bwd_gemm_kernel<kMode><<<grid, kThreads, kSmemBytes, stream>>>(maps, p);
   if (cudaGetLastError() != cudaSuccess) return "mok cuda bwd gemm: kernel launch failed";

@@ -383,9 +383,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (t.kind >= 0) next = atomicAdd(&p.ctr[kTicket], 1);
         int tile = -1, nb = 0;
         if (t.kind >= 0) {
-          const int per_tile = t.kind == 0 ? p.nb_gu : p.nb_d;
-          tile = t.m * p.mb_tiles + t.r / per_tile;
-          nb = t.r % per_tile;
+          // n-major inside the minibatch (tile::raster with the minibatch as
+          // the band): a wave shares each weight tile across the band's rows.
+          tile = t.m * p.mb_tiles + t.r % p.mb_tiles;
+          nb = t.r / p.mb_tiles;
           if (tile >= n_tiles) continue;  // a tile slot of the last, partial minibatch
           if (t.kind == 0)
             wait_at_least(&ready[t.m], 1, p.flags);

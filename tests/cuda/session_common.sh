@@ -1,6 +1,7 @@
 # Shared by gpu_session_fwd.sh and gpu_session_bwd.sh (sourced after they set
 # $out and $steps): step selection, logged and timed steps, the GPU's clocks,
-# and the Python build started in the background when pytest is a step.
+# and the Python build started in the background when pytest is a step (or
+# NEED_PY is set).
 has() { [[ " $steps " == *" $1 "* ]]; }
 summary=()
 step() {  # step NAME TIMEOUT CMD...: logs to $out/NAME.log, records rc, time, last line
@@ -11,8 +12,8 @@ step() {  # step NAME TIMEOUT CMD...: logs to $out/NAME.log, records rc, time, l
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -v '^\s*$' "$out/$name.log" | tail -n 1 | cut -c1-150)")")
   return $rc
 }
-{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv; } > "$out/gpu.txt" 2>&1
-if has pytest; then
+{ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv; } > "$out/gpu.txt" 2>&1
+if has pytest || [ -n "${NEED_PY:-}" ]; then
   (python3 -m pip install --no-build-isolation --no-deps -e . > "$out/pip.log" 2>&1; echo $? > /tmp/pip.rc) &
   pip_pid=$!
 fi
