@@ -4,6 +4,8 @@
 # knob variants and the staged path, compute-sanitizer, Python build + GPU pytest.
 # Usage (GPU host, repo root): bash tests/cuda/gpu_session_fwd.sh [steps...]
 #   steps default: build sass corr corr_ring timing staged knobs memcheck racecheck synccheck pytest
+#   more steps: corr_staged (the staged kernels' correctness cases),
+#   memcheck_staged racecheck_staged synccheck_staged, units4
 #   PYTEST_K: pytest -k filter (default: megakernel or graphs)
 set -uo pipefail
 # Logs go to $LOGS; $OUT gets them as one file (all_logs.txt): the device
@@ -32,6 +34,7 @@ if has units4; then  # the dispatch copy with four units in flight per warp
   step timing_u4 90 $B.u4/forward_standalone --timing --iters 30
 fi
 has staged && step staged 90 $FS --timing --iters 30 --staged
+has corr_staged && step corr_staged 120 $FS --correctness --staged
 if has knobs; then
   # KNOBS: variants separated by ';'
   IFS=';' read -ra knobs <<< "${KNOBS:---dispatch-ctas 4;--dispatch-ctas 8;--dispatch-ctas 32;--dispatch-ctas 48;--ring-rows 8192;--minibatch-rows 256;--minibatch-rows 512}"
@@ -43,6 +46,9 @@ fi
 has memcheck && step memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 $FS --case odd_dims --ring-rows 128 --dispatch-ctas 2
 has racecheck && step racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 $FS --case base --ring-rows 128
 has synccheck && step synccheck 90 compute-sanitizer --tool synccheck --error-exitcode 9 $FS --case base --ring-rows 128
+for tool in memcheck racecheck synccheck; do
+  has ${tool}_staged && step ${tool}_staged 90 compute-sanitizer --tool $tool --error-exitcode 9 $FS --case odd_dims --staged
+done
 if has pytest; then
   wait $pip_pid
   summary+=("pip rc=$(cat /tmp/pip.rc)")
@@ -57,8 +63,9 @@ cat "$out/gpu.txt" 2>/dev/null
 cat "$out/sass.txt" 2>/dev/null
 [ -f "$out/corr.log" ] && grep -E "FAIL|correctness" "$out/corr.log" | cut -c1-200
 [ -f "$out/corr_ring.log" ] && grep -E "FAIL|correctness" "$out/corr_ring.log" | cut -c1-200
+[ -f "$out/corr_staged.log" ] && grep -E "FAIL|correctness" "$out/corr_staged.log" | cut -c1-200
 for f in timing timing_u4 staged knob_*; do [ -f "$out/$f.log" ] && { echo "-- $f"; grep -E "total   median|schedule|determinism|error" "$out/$f.log" | cut -c1-200; }; done
-for f in memcheck racecheck synccheck; do [ -f "$out/$f.log" ] && { echo "-- $f"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|error" "$out/$f.log" | head -5; }; done
+for f in memcheck racecheck synccheck memcheck_staged racecheck_staged synccheck_staged; do [ -f "$out/$f.log" ] && { echo "-- $f"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|error" "$out/$f.log" | head -5; }; done
 [ -f "$out/pytest.log" ] && grep -E "passed|failed|Error" "$out/pytest.log" | tail -8
 printf '%s\n' "${summary[@]}"
 for f in "$out"/*; do echo "=================== $(basename "$f")"; cat "$f"; done > "$final/all_logs.txt" 2>&1
