@@ -1,12 +1,12 @@
 // CUDA (Hopper, sm_90a) forward path of mok_jax.
 //
 //   schedule (schedule.cu, small prepare kernels), then either
-//   * persistent (the default): one megakernel (megakernel_fwd.cu) with
+//   * staged (the default, MegakernelConfig::persistent = 0): dispatch
+//     (dispatch.cu) -> gate/up grouped wgmma GEMM with fused SwiGLU
+//     (gemm_wgmma.cu) -> down grouped GEMM -> combine (combine.cu); or
+//   * persistent (persistent = 1): one megakernel (megakernel_fwd.cu) with
 //     dispatch CTAs filling a ring token buffer, compute CTAs running gate/up
-//     (SwiGLU fused) and down tiles in ticket order, and the combine; or
-//   * staged (MegakernelConfig::persistent = 0): dispatch (dispatch.cu) ->
-//     gate/up grouped wgmma GEMM with fused SwiGLU (gemm_wgmma.cu) -> down
-//     grouped GEMM -> combine (combine.cu).
+//     (SwiGLU fused) and down tiles in ticket order, and the combine.
 //   The shared expert (Fs > 0) runs first as staged GEMMs over all T tokens;
 //   both paths give bitwise the same results.
 //
@@ -34,15 +34,16 @@ size_t forward_workspace_bytes(const Problem& problem, const MegakernelConfig& c
 size_t forward_workspace_flags_offset(const Problem& problem, const MegakernelConfig& cfg = {});
 
 // Optional per-stage timing (for benchmarks): when non-null, `forward` records
-// ev[0] before the schedule, ev[1] after it, ev[2] after dispatch, ev[3] after
-// the gate/up GEMMs, ev[4] after the down GEMMs, ev[5] after combine.
+// ev[0] before the schedule, ev[1] after it, ev[2] after the shared expert's
+// GEMMs (Fs > 0) and the dispatch, ev[3] after the gate/up GEMM, ev[4] after
+// the down GEMM, ev[5] after the combine. With the megakernel, ev[2] is
+// recorded before it and ev[3..5] together after it.
 struct ForwardStageEvents {
   cudaEvent_t ev[6];
 };
 
 // Runs the forward on `stream`. Returns nullptr on success, else a static
 // error string.
-// With the megakernel, events 2-4 are recorded together after it.
 const char* forward(const Problem& problem, const ForwardArgs& args, void* workspace, cudaStream_t stream,
                     const ForwardStageEvents* stage_events = nullptr, const MegakernelConfig& cfg = {});
 

@@ -6,12 +6,8 @@ import dataclasses
 
 import numpy as np
 
-# The C++ defaults (ffi/megakernel_fwd.cuh), repeated here for the docstring
-# and the error messages only: a None knob is sent as 0, and the C++ side
-# picks its own default, so the two cannot drift apart in behaviour.
-DEFAULT_DISPATCH_CTAS = 16
-DEFAULT_MINIBATCH_ROWS = 128
-DEFAULT_RING_ROWS_CAP = 32768
+# The knobs' defaults live on the C++ side only (ffi/megakernel_fwd.cuh): a
+# None knob is sent as 0 and the kernels pick their default.
 ROW_ALIGN = 128                 # the kernels' tile rows
 MAX_DISPATCH_CTAS = 64
 MAX_MINIBATCH_ROWS = 8192
@@ -33,9 +29,9 @@ class MegakernelConfig:
       persistent: False (default): the staged sequence of kernels (dispatch
         gather, gate/up GEMM with fused SwiGLU, down GEMM, combine), the path
         measured end to end through JAX on every benchmark shape. True: the
-        forward runs as one persistent megakernel (at parity in the
-        standalone harness: 5.07 ms against the staged 5.12 ms at the
-        Qwen3-30B-A3B shape on an H200, docs/design.md),
+        forward runs as one persistent megakernel (slower today: 6.43 ms
+        against the staged 5.32 ms at the Qwen3-30B-A3B shape on an H200,
+        docs/design.md),
         dispatch CTAs pulling token rows through a peer-pointer table into a
         ring buffer while compute CTAs run the expert GEMMs on the rows
         already there; the three knobs below tune it and need
