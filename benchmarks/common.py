@@ -1,6 +1,6 @@
-"""Helpers shared by the benchmark scripts (`bench_forward.py`, `run.py`):
-the issue-3 shapes, timing, problem generation, the dense-matmul ceiling and
-the torch ``_grouped_mm`` peer.
+"""Helpers of the benchmark script (`run.py`): the issue-3 shapes, timing,
+weight generation, the dense-matmul ceiling, the torch ``_grouped_mm`` peer
+and the memory of a training step.
 
 Useful FLOPs: 6*T*k*H*F per forward (three GEMMs of 2*T*k*H*F), the backward
 2x that, forward+backward 3x.
@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import mok_jax
 
 SHAPES = {
     1: ("qwen3-30b-a3b", 32768, 2048, 768, 128, 8),
@@ -60,20 +59,6 @@ def weights(T, H, F, E, dtype=jnp.bfloat16, seed=0):
     wu = (jax.random.normal(ks[3], (E, H, F)) / np.sqrt(H)).astype(dtype)
     wd = (jax.random.normal(ks[4], (E, F, H)) / np.sqrt(F)).astype(dtype)
     return x, router, wg, wu, wd
-
-
-def problem(T, H, F, E, K, seed=0, dtype=jnp.bfloat16):
-    """(x, topk_ids, topk_weights, w_gate, w_up, w_down) with a random router's routing."""
-    x, router, wg, wu, wd = weights(T, H, F, E, dtype, seed)
-    aux = jax.jit(lambda x, r: mok_jax.route(x, r, top_k=K))(x, router)
-    return x, aux.topk_ids, aux.topk_weights, wg, wu, wd
-
-
-def bench_jax(impl, data, warmup, iters):
-    f = jax.jit(lambda *a: mok_jax.experts(*a, implementation=impl))
-    run = lambda: jax.block_until_ready(f(*data))
-    y = run()
-    return median_ms(run, warmup, iters), y
 
 
 def bench_dense_jax(warmup, iters, n=8192, dtype=jnp.bfloat16):
@@ -143,23 +128,6 @@ def torch_dense_tflops(warmup, iters, n=8192):
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     return 2 * n ** 3 / torch_timed(lambda: a @ b, warmup, iters) / 1e9
-
-
-def torch_peers(data, warmup, iters):
-    """torch._grouped_mm forward with the same routing, and the dense ceiling."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    tensors = torch_problem(data)
-    forward = lambda: torch_moe_forward(*tensors)
-    torch.cuda.reset_peak_memory_stats()
-    y = forward()
-    ms = torch_timed(forward, warmup, iters)
-    peak = torch.cuda.max_memory_allocated()
-    dense = torch_dense_tflops(warmup, iters)
-    return {"ms": ms, "peak_bytes": peak, "dense_tflops": dense,
-            "y": y.float().cpu().numpy(), "version": torch.__version__}
 
 
 def git_commit():

@@ -25,7 +25,9 @@ useful FLOPs / median wall time. The ceiling is a dense n^3 matmul in the same
 dtype (n=8192 on GPU, 1024 on CPU).
 
 Writes ``<out>/<tag>_latest.json`` and, when matplotlib is installed,
-``<out>/<tag>_tflops.png`` and ``<out>/<tag>_imbalance.png``.
+``<out>/<tag>_tflops.png`` and ``<out>/<tag>_imbalance.png``; ``--record``
+appends the main table's rows (ours beside torch and xla, per shape and pass)
+to ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -347,6 +349,38 @@ def print_table(result, stream=sys.stdout):
               f"{r['pass']} | {ms} | {tf} | {rb} | {pk} |", file=stream)
 
 
+OURS = ("cuda", "cpu", "auto")  # the implementation a RESULTS.md row reports, first found
+
+
+def results_rows(result):
+    """RESULTS.md lines for the main table (random-router routing): one per shape
+    and pass, ours (the first of OURS that ran) beside torch and xla, the dense
+    ceilings and the step peak (fwd+bwd rows with memory measured)."""
+    meta = result["meta"]
+    main = [r for r in result["rows"] if r["routing"] == "router"]
+    by = {(r["shape"], r["impl"], r["pass"]): r for r in main}
+    fmt = lambda v, p=1: "—" if v is None else f"{v:.{p}f}"
+    dense = meta["dense_tflops"]
+    lines = []
+    for pass_ in PASSES:
+        for shape in dict.fromkeys(r["shape"] for r in main):
+            ours = next((by[(shape, i, pass_)] for i in OURS if (shape, i, pass_) in by), None)
+            if ours is None:
+                continue
+            torch_r, xla_r = by.get((shape, "torch", pass_), {}), by.get((shape, "xla", pass_), {})
+            peak = "—"
+            if ours.get("step_peak_bytes"):
+                tp = torch_r.get("step_peak_bytes")
+                peak = f"{ours['step_peak_bytes'] / 2**30:.2f} / {fmt(tp and tp / 2**30, 2)} (step)"
+            dims = f"({ours['T']},{ours['H']},{ours['F']},{ours['E']},{ours['k']})"
+            lines.append(
+                f"| {meta['date'][:10]} | {meta['commit']} | {meta['device_kind']} | {pass_} | "
+                f"{shape} {dims} | {fmt(ours['ms'], 2)} | {fmt(ours['tflops'])} | "
+                f"{fmt(torch_r.get('tflops'))} | {fmt(xla_r.get('tflops'))} | "
+                f"{fmt(dense.get('jax'))} / {fmt(dense.get('torch'))} | {peak} | `{meta['command']}` |")
+    return lines
+
+
 def plot(result, out_dir, tag):
     """Writes <tag>_tflops.png and <tag>_imbalance.png; returns their paths
     ([] when matplotlib is not installed)."""
@@ -444,6 +478,9 @@ def main(argv=None):
                    help="rewrite this JSON file after every row (for runs that may be cut short)")
     p.add_argument("--no-memory", action="store_true",
                    help="skip the residual-bytes / step-peak measurement of fwd+bwd rows")
+    p.add_argument("--record", nargs="?", const=os.path.join(HERE, "RESULTS.md"), default=None,
+                   metavar="PATH", help="append the main table's rows to PATH "
+                   "(default: benchmarks/RESULTS.md)")
     args = p.parse_args(argv)
     tag = args.tag or ("cpu" if jax.default_backend() == "cpu" else "gpu")
     result = run(args)
@@ -453,6 +490,10 @@ def main(argv=None):
         json.dump(result, f, indent=1)
     print_table(result)
     print(f"\nwrote {path}")
+    if args.record:
+        with open(args.record, "a") as f:
+            f.write("\n".join(results_rows(result)) + "\n")
+        print(f"appended to {args.record}")
     if not args.no_plots:
         for pth in plot(result, args.out, tag):
             print(f"wrote {pth}")

@@ -126,6 +126,20 @@ struct TileStore {
   }
 };
 
+// Stages column chunk `ch` (64 columns) of the warp's 16 rows: v(i) is the
+// value of accumulator slot i, for the chunk's slots i = (ch * 8 + gg) * 4 +
+// h * 2 and i + 1 (see the wgmma accumulator layout in cuda_ptx.cuh).
+template <typename Value>
+__device__ __forceinline__ void put_chunk(const TileStore& ts, int ch, Value&& v) {
+#pragma unroll
+  for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = (ch * 8 + gg) * 4 + h * 2;
+      ts.put(gg, h, v(i), v(i + 1));
+    }
+}
+
 // Gate/up epilogue: the 256 accumulator columns are [gate 128 | up 128] of the
 // CTA's 128 output columns starting at n_base; writes bf16 gate, up and
 // silu(gate) * up (computed from the fp32 accumulators).
@@ -133,29 +147,11 @@ __device__ __forceinline__ void store_gate_up(const float (&acc)[128], const Til
                                               __nv_bfloat16* gate, __nv_bfloat16* up, __nv_bfloat16* act) {
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
-#pragma unroll
-    for (int gg = 0; gg < 8; ++gg)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = (ch * 8 + gg) * 4 + h * 2;
-        ts.put(gg, h, acc[i], acc[i + 1]);
-      }
+    put_chunk(ts, ch, [&](int i) { return acc[i]; });
     ts.flush(gate, n_base + ch * 64);
-#pragma unroll
-    for (int gg = 0; gg < 8; ++gg)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = 64 + (ch * 8 + gg) * 4 + h * 2;
-        ts.put(gg, h, acc[i], acc[i + 1]);
-      }
+    put_chunk(ts, ch, [&](int i) { return acc[64 + i]; });
     ts.flush(up, n_base + ch * 64);
-#pragma unroll
-    for (int gg = 0; gg < 8; ++gg)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = (ch * 8 + gg) * 4 + h * 2;
-        ts.put(gg, h, silu_mul(acc[i], acc[64 + i]), silu_mul(acc[i + 1], acc[64 + i + 1]));
-      }
+    put_chunk(ts, ch, [&](int i) { return silu_mul(acc[i], acc[64 + i]); });
     ts.flush(act, n_base + ch * 64);
   }
 }
@@ -165,13 +161,7 @@ __device__ __forceinline__ void store_plain(const float (&acc)[128], const TileS
                                             __nv_bfloat16* out) {
 #pragma unroll
   for (int ch = 0; ch < 4; ++ch) {
-#pragma unroll
-    for (int gg = 0; gg < 8; ++gg)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = (ch * 8 + gg) * 4 + h * 2;
-        ts.put(gg, h, acc[i], acc[i + 1]);
-      }
+    put_chunk(ts, ch, [&](int i) { return acc[i]; });
     ts.flush(out, n_base + ch * 64);
   }
 }

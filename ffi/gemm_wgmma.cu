@@ -57,7 +57,6 @@ bool make_map_b(CUtensorMap* m, const void* ptr, int64_t groups, int64_t k, int6
 namespace {
 
 using tile::kABytes;
-using tile::kBBytes;
 using tile::kBChunk;
 using tile::kBK;
 using tile::kBM;
@@ -176,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int cw = wg - 1;
     const int warp = (threadIdx.x / 32) & 3;
     const int lane = threadIdx.x & 31;
-    uint8_t* stg = smem + kStages * kStageBytes + 256 + (cw * 4 + warp) * kStgWarpBytes;
+    uint8_t* stg = smem + kStages * kStageBytes + tile::kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes;
     auto release = [&](uint32_t s) {
       if (lane == 0) {
         ptx::mbar_arrive(&empty_bar[s]);

@@ -7,7 +7,6 @@
 //   kSum2   : dgrad, K over [A0 | A1] x [B0 | B1] (both K-major), plain store
 //   kWgrad  : A MN-major (trans-a 1), B MN-major (trans-b 1), K = the group's rows
 //             (offsets read on the device), plain store into out[g]
-// The forward kernels in gemm_wgmma.cu are untouched.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
@@ -24,19 +23,20 @@
 namespace mok::cuda {
 namespace {
 
-constexpr int kBM = 128;
-constexpr int kBN = 256;
-constexpr int kBK = 64;
-constexpr int kStages = 4;
-constexpr int kABytes = kBM * kBK * 2;  // 16 KB
-constexpr int kBBytes = kBK * kBN * 2;  // 32 KB
-constexpr int kChunk = 64 * 64 * 2;     // 8 KB: one MN-major 64x64 box
-constexpr int kStageBytes = kABytes + kBBytes;
-constexpr int kStgPitch = 64 * 2 + 16;
-constexpr int kStgWarpBytes = 16 * kStgPitch;
-constexpr int kSmemBytes = kStages * kStageBytes + 1024 + 256 + 8 * kStgWarpBytes;
-constexpr int kThreads = 384;
-constexpr int kConsumerWarps = 8;
+// The tile geometry and shared-memory layout are the forward's (gemm_tile.cuh).
+using tile::kABytes;
+using tile::kBK;
+using tile::kBM;
+using tile::kBN;
+using tile::kConsumerWarps;
+using tile::kSmemBytes;
+using tile::kStageBytes;
+using tile::kStages;
+using tile::kStgPitch;
+using tile::kStgWarpBytes;
+using tile::kThreads;
+using tile::pack_bf16x2;
+constexpr int kChunk = tile::kBChunk;  // 8 KB: one MN-major 64 x 64 box
 
 enum Mode : int { kSwiGLU = 0, kSum2 = 1, kWgrad = 2 };
 
@@ -74,10 +74,6 @@ struct BParams {
   int group_m;  // rasterisation band (tile::raster)
 };
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // One work unit, decoded identically by producer and consumers.
@@ -189,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
     const int cw = wg - 1;
     const int warp = (threadIdx.x / 32) & 3;
     const int lane = threadIdx.x & 31;
-    uint8_t* stg = smem + kStages * kStageBytes + 256 + (cw * 4 + warp) * kStgWarpBytes;
+    uint8_t* stg = smem + kStages * kStageBytes + tile::kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes;
     float acc[128];
     uint32_t it = 0;
     for (int u = blockIdx.x; u < p.units; u += gridDim.x) {

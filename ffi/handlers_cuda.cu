@@ -144,13 +144,6 @@ NB_MODULE(_mok_cuda, m) {
         p, mok::cuda::MegakernelConfig{persistent, dispatch_ctas, minibatch_rows, ring_rows});
   });
   m.def("captured_calls", []() { return mok::g_captured_calls.load(); });
-  m.def("megakernel_defaults", []() {
-    nanobind::dict d;
-    d["dispatch_ctas"] = mok::cuda::kDefaultDispatchCtas;
-    d["minibatch_rows"] = mok::cuda::kDefaultMinibatchRows;
-    d["ring_rows"] = mok::cuda::kDefaultRingRows;
-    return d;
-  });
   m.def("backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K,
                                        int64_t Fs) {
     mok::Problem p;

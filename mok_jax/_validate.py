@@ -18,6 +18,13 @@ def check_choice(name, value, choices):
         raise ValueError(f"{name}={value!r} is not supported; expected one of {choices}")
 
 
+def check_bool(name, value):
+    """value itself when it is a bool (not merely truthy), else a TypeError naming it."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_rank(name, arr, rank, layout):
     if arr.ndim != rank:
         raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {tuple(arr.shape)}")

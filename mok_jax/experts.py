@@ -129,8 +129,7 @@ def experts(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, shared_experts=N
       an error naming ``topk_ids`` at run time for ids outside ``[0, E)``.
     """
     megakernel = check_megakernel(megakernel)
-    if not isinstance(recompute, bool):
-        raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
+    V.check_bool("recompute", recompute)
     x, x2, ids2, w2, mask2, shared, (E, H, F, K, T) = V.flatten_experts_args(
         x, topk_ids, topk_weights, w_gate, w_up, w_down, shared_experts, token_mask)
     Fs = 0 if shared is None else shared[0].shape[1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import _validate as V
 from . import parallel
 from .config import check_megakernel
 from .experts import experts
@@ -70,8 +71,7 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
       that is not a `mok_jax.MegakernelConfig`.
     """
     megakernel = check_megakernel(megakernel)  # before any routing work
-    if not isinstance(recompute, bool):
-        raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
+    V.check_bool("recompute", recompute)
     if mesh is not None or axis_name is not None:
         return _moe_layer_parallel(
             x, router_kernel, w_gate, w_up, w_down, top_k=top_k, score_func=score_func,

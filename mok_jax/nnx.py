@@ -224,9 +224,7 @@ class MoE(nnx.Module):
         self.implementation = implementation
         # A static (hashable) attribute, not a Variable: it is part of the graph def.
         self.megakernel = check_megakernel(megakernel)
-        if not isinstance(recompute, bool):
-            raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
-        self.recompute = recompute
+        self.recompute = V.check_bool("recompute", recompute)
         kinit = kernel_init or default_kernel_init()
         rinit = router_init or jax.nn.initializers.lecun_normal()
 

@@ -55,3 +55,23 @@ def assert_close(name, got, want, dtype):
     if np.linalg.norm(np.asarray(want, np.float64)) > 0:
         c = cosine(got, want)
         assert c >= cos_tol, f"{name}: cosine {c:.8f} < {cos_tol}"
+
+
+def load_train_example():
+    """examples/train_moe_lm.py as a module (its main(argv, out) runs a training)."""
+    import importlib.util
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "train_moe_lm", os.path.join(root, "examples", "train_moe_lm.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def curve_gap(a, b, steps, window):
+    """Largest gap between two training runs' loss curves, as window means."""
+    la = np.array([a["losses"][s] for s in range(steps)])
+    lb = np.array([b["losses"][s] for s in range(steps)])
+    means = lambda l: l[: steps // window * window].reshape(-1, window).mean(1)
+    return float(np.max(np.abs(means(la) - means(lb))))

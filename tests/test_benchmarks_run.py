@@ -48,7 +48,7 @@ def test_tiny_cpu_run_writes_json_table_and_plots(tmp_path):
     cmd = [sys.executable, RUN, "--shapes", "96x16x32x4x2", "--impls", "cpu,xla",
            "--passes", "fwd,bwd,fwd+bwd", "--sweep", "uniform,zipf,all-to-one",
            "--iters", "2", "--warmup", "1", "--xla-iters", "2", "--out", str(tmp_path),
-           "--tag", "test"]
+           "--tag", "test", "--record", str(tmp_path / "RESULTS.md")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "12/24" in proc.stdout, "progress lines"  # (1 shape + 3 sweeps) x 2 impls x 3 passes
@@ -66,6 +66,18 @@ def test_tiny_cpu_run_writes_json_table_and_plots(tmp_path):
     checked = [r for r in rows if "rel_l2_vs_xla" in r]
     assert len(checked) == 1 and all(r["rel_l2_vs_xla"] < 1e-5 for r in checked)
     assert "| shape | routing |" in proc.stdout
+    # --record: one RESULTS.md row per pass of the main table, ours (cpu) beside xla
+    recorded = (tmp_path / "RESULTS.md").read_text().splitlines()
+    assert [line.split(" | ")[3] for line in recorded] == ["fwd", "bwd", "fwd+bwd"]
+    for line, pass_ in zip(recorded, ["fwd", "bwd", "fwd+bwd"]):
+        ours = next(r for r in rows if r["routing"] == "router" and r["impl"] == "cpu" and r["pass"] == pass_)
+        xla = next(r for r in rows if r["routing"] == "router" and r["impl"] == "xla" and r["pass"] == pass_)
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1] == meta["commit"] and cells[4] == "96x16x32x4x2 (96,16,32,4,2)"
+        assert float(cells[5]) == pytest.approx(ours["ms"], abs=0.006)
+        assert float(cells[6]) == pytest.approx(ours["tflops"], abs=0.06)
+        assert cells[7] == "—" and float(cells[8]) == pytest.approx(xla["tflops"], abs=0.06)
+        assert cells[11].startswith("`python ") and "--record" in cells[11]
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -13,7 +13,7 @@ import pytest
 import mok_jax
 from mok_jax import _ffi
 import numpy_reference as npref
-from helpers import assert_close, fresh_key, make_problem
+from helpers import assert_close, curve_gap, fresh_key, load_train_example, make_problem
 
 pytestmark = pytest.mark.gpu
 BF16 = jnp.bfloat16
@@ -35,6 +35,30 @@ def _f32_reference(x, ids, w, wg, wu, wd, shared=None, mask=None):
     sh = None if shared is None else tuple(map(up, shared))
     return mok_jax.experts(up(x), ids, w, up(wg), up(wu), up(wd), shared_experts=sh,
                            token_mask=mask, implementation="xla")
+
+
+def _edge_routing(kind, T, E, K, *, one_expert=7, experts_used=3, p_mask=0.5):
+    """(topk_ids, K, token_mask) of an edge case: every token to `one_expert`,
+    only the first `experts_used` experts (the rest empty), k = E, k = 1, a
+    `p_mask` share of the tokens masked, or all of them; any other kind: uniform
+    routing, no mask."""
+    ids = jax.random.randint(fresh_key(), (T, K), 0, E)
+    mask = None
+    if kind == "one_expert":
+        ids = jnp.full((T, K), one_expert, jnp.int32)
+    elif kind == "empty_experts":
+        ids = ids % experts_used
+    elif kind == "k_equals_e":
+        K = E
+        ids = jnp.tile(jnp.arange(E, dtype=jnp.int32), (T, 1))
+    elif kind == "k1":
+        K = 1
+        ids = ids[:, :1]
+    elif kind == "masked":
+        mask = jax.random.bernoulli(fresh_key(), p_mask, (T,))
+    elif kind == "all_masked":
+        mask = jnp.zeros((T,), bool)
+    return ids, K, mask
 
 
 # (T, H, F, E, K, Fs): small odd shapes for the float64 judge
@@ -77,17 +101,7 @@ def test_cuda_forward_benchmark_shapes(case):
 def test_cuda_forward_edge_cases(kind):
     T, H, F, E, K = 1500, 256, 384, 16, 4
     x, router, wg, wu, wd, shared = make_problem(T, H, F, E, BF16, 128)
-    ids = jax.random.randint(fresh_key(), (T, K), 0, E)
-    mask = None
-    if kind == "one_expert":
-        ids = jnp.full((T, K), 7, jnp.int32)
-    elif kind == "empty_experts":
-        ids = ids % 3
-    elif kind == "k_equals_e":
-        K = E
-        ids = jnp.tile(jnp.arange(E, dtype=jnp.int32), (T, 1))
-    elif kind == "masked":
-        mask = jax.random.bernoulli(fresh_key(), 0.5, (T,))
+    ids, K, mask = _edge_routing(kind, T, E, K)
     if kind != "shared":
         shared = None
     w = jax.random.uniform(fresh_key(), (T, K))
@@ -162,20 +176,7 @@ def test_cuda_backward_benchmark_shapes(case):
 def test_cuda_backward_edge_cases(kind):
     T, H, F, E, K = 1500, 256, 384, 16, 4
     x, router, wg, wu, wd, shared = make_problem(T, H, F, E, BF16, 128)
-    ids = jax.random.randint(fresh_key(), (T, K), 0, E)
-    mask = None
-    if kind == "one_expert":
-        ids = jnp.full((T, K), 7, jnp.int32)
-    elif kind == "empty_experts":
-        ids = ids % 3
-    elif kind == "k_equals_e":
-        K = E
-        ids = jnp.tile(jnp.arange(E, dtype=jnp.int32), (T, 1))
-    elif kind == "k1":
-        K = 1
-        ids = ids[:, :1]
-    elif kind == "masked":
-        mask = jax.random.bernoulli(fresh_key(), 0.5, (T,))
+    ids, K, mask = _edge_routing(kind, T, E, K)
     if kind not in ("shared", "masked"):
         shared = None
     w = jax.random.uniform(fresh_key(), (T, K))
@@ -241,19 +242,7 @@ def test_megakernel_edge_cases_tiny_ring(kind):
     minibatch reuses the same slot) against the float64 reference."""
     T, H, F, E, K = 700, 256, 384, 16, 4
     x, router, wg, wu, wd, _ = make_problem(T, H, F, E, BF16)
-    ids = jax.random.randint(fresh_key(), (T, K), 0, E)
-    mask = None
-    if kind == "one_expert":
-        ids = jnp.full((T, K), 5, jnp.int32)
-    elif kind == "empty_experts":
-        ids = ids % 2
-    elif kind == "k_equals_e":
-        K = E
-        ids = jnp.tile(jnp.arange(E, dtype=jnp.int32), (T, 1))
-    elif kind == "masked":
-        mask = jax.random.bernoulli(fresh_key(), 0.4, (T,))
-    elif kind == "all_masked":
-        mask = jnp.zeros((T,), bool)
+    ids, K, mask = _edge_routing(kind, T, E, K, one_expert=5, experts_used=2, p_mask=0.4)
     w = jax.random.uniform(fresh_key(), (T, K))
     cfg = mok_jax.MegakernelConfig(persistent=True, ring_rows=128, minibatch_rows=128,
                                    dispatch_ctas=2)
@@ -267,11 +256,6 @@ def test_megakernel_edge_cases_tiny_ring(kind):
         assert np.all(f32(y) == 0)
     else:
         assert_close("y", y, want, BF16)
-
-
-def test_megakernel_bad_knobs_error_names_argument():
-    with pytest.raises(ValueError, match="ring_rows"):
-        mok_jax.MegakernelConfig(persistent=True, ring_rows=100)
 
 
 _GRAPH_SCRIPT = r"""
@@ -335,22 +319,15 @@ def test_cuda_and_xla_train_the_same_loss_curve():
     config) through implementation="cuda" and through the pure-JAX "xla" path:
     the loss curves agree within bf16 noise (window means of 25 steps within
     0.05 nats) while the loss falls by more than 1."""
-    import importlib.util
     import io
-    import os
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(
-        "train_moe_lm", os.path.join(root, "examples", "train_moe_lm.py"))
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
+    ex = load_train_example()
     steps, window = 200, 25
     common = ["--config", "gpu", "--layers", "2", "--d-model", "512", "--heads", "8",
               "--experts", "16", "--top-k", "4", "--ffn", "512", "--seq", "256", "--batch", "16",
               "--steps", str(steps), "--log-every", str(steps), "--eval-every", "100000"]
     runs = {impl: ex.main(common + ["--implementation", impl], out=io.StringIO())
             for impl in ("cuda", "xla")}
-    curves = {k: np.array([r["losses"][s] for s in range(steps)]) for k, r in runs.items()}
-    means = {k: c.reshape(-1, window).mean(1) for k, c in curves.items()}
-    gap = float(np.max(np.abs(means["cuda"] - means["xla"])))
-    assert gap < 0.05, (gap, means)
-    assert means["cuda"][-1] < means["cuda"][0] - 1.0, means["cuda"]
+    gap = curve_gap(runs["cuda"], runs["xla"], steps, window)
+    assert gap < 0.05, gap
+    losses = np.array([runs["cuda"]["losses"][s] for s in range(steps)])
+    assert losses[-window:].mean() < losses[:window].mean() - 1.0, losses

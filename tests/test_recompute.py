@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import mok_jax
+from benchmarks.common import jax_residual_bytes
 from helpers import make_problem
 
 
@@ -17,23 +18,6 @@ def _loss(impl, recompute, K=2, shared=None):
                                    shared_experts=shared, recompute=recompute)
         return jnp.sum(y * jnp.cos(y)) + aux.load_balancing_loss
     return f
-
-
-def _kept_bytes(f, args):
-    """Bytes the forward keeps for the backward beyond the inputs themselves
-    (the leaves of jax.vjp's closure that are not an input)."""
-    _, vjp = jax.jit(lambda *a: jax.vjp(f, *a))(*args)
-    ids = {id(a) for a in args}
-    sigs = [(a.shape, a.dtype) for a in args]
-    total = 0
-    for leaf in jax.tree_util.tree_leaves(vjp):
-        sig = (leaf.shape, leaf.dtype)
-        if id(leaf) in ids or sig in sigs:
-            if sig in sigs:
-                sigs.remove(sig)
-            continue
-        total += leaf.size * leaf.dtype.itemsize
-    return total
 
 
 @pytest.mark.parametrize("impl", ["cpu", "xla"])
@@ -56,7 +40,7 @@ def test_recompute_runs_the_forward_kernel_again_and_keeps_less():
         jaxpr = str(jax.make_jaxpr(jax.grad(_loss("cpu", recompute, K), argnums=(0, 2)))(*args))
         counts[recompute] = jaxpr.count("mok_experts_fwd_cpu")
     assert counts[False] == 1 and counts[True] == 2, counts
-    kept = {r: _kept_bytes(_loss("cpu", r, K), args) for r in (False, True)}
+    kept = {r: jax_residual_bytes(_loss("cpu", r, K), args) for r in (False, True)}
     # Kept without recompute: at least the gate/up pre-activations, 2*T*K*F floats.
     assert kept[False] >= 2 * T * K * F * 4, kept
     # With recompute: only the router's values (logits, softmax, top-k; measured

@@ -1,29 +1,19 @@
 """examples/train_moe_lm.py: a short CPU run's loss drops, and a run resumed from
 an orbax checkpoint continues exactly like an uninterrupted one."""
 
-import importlib.util
 import io
-import os
 
 import numpy as np
 import pytest
 
+from helpers import curve_gap, load_train_example
+
 pytest.importorskip("flax.nnx")
 pytest.importorskip("optax")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location(
-        "train_moe_lm", os.path.join(ROOT, "examples", "train_moe_lm.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def test_loss_drops_and_resume_is_exact(tmp_path):
-    ex = _example()
+    ex = load_train_example()
     common = ["--config", "tiny", "--log-every", "10", "--eval-every", "20",
               "--implementation", "cpu", "--router-bias"]
     out = io.StringIO()
@@ -49,23 +39,15 @@ def test_loss_drops_and_resume_is_exact(tmp_path):
     np.testing.assert_allclose(got, losses[20:], rtol=1e-5, atol=1e-6)
 
 
-def _curve_gap(a, b, steps, window):
-    """Largest gap between the two runs' loss curves, as window means."""
-    la = np.array([a["losses"][s] for s in range(steps)])
-    lb = np.array([b["losses"][s] for s in range(steps)])
-    means = lambda l: l[: steps // window * window].reshape(-1, window).mean(1)
-    return float(np.max(np.abs(means(la) - means(lb))))
-
-
 def test_kernel_and_reference_train_the_same_curve():
     """The same training run through the CPU FFI kernels and through the
     pure-JAX reference (float32): the loss curves agree to 1e-3 (window means
     of 10 steps) while the loss falls by more than 1."""
-    ex = _example()
+    ex = load_train_example()
     common = ["--config", "tiny", "--steps", "50", "--log-every", "50", "--eval-every", "1000"]
     runs = {impl: ex.main(common + ["--implementation", impl], out=io.StringIO())
             for impl in ("cpu", "xla")}
-    gap = _curve_gap(runs["cpu"], runs["xla"], 50, 10)
+    gap = curve_gap(runs["cpu"], runs["xla"], 50, 10)
     assert gap < 1e-3, gap
     l = runs["cpu"]["losses"]
     assert np.mean([l[s] for s in range(40, 50)]) < np.mean([l[s] for s in range(10)]) - 1.0

@@ -26,15 +26,7 @@ has timing_shared && step timing_sh 180 $B/backward_standalone --timing-shared -
 has fwd && step fwd 60 $B/forward_standalone --timing --iters 20
 has memcheck && step memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 $B/backward_standalone --case odd_dims
 has racecheck && step racecheck 60 compute-sanitizer --tool racecheck --error-exitcode 9 $B/backward_standalone --case tiny
-if has pytest; then
-  wait $pip_pid
-  summary+=("pip rc=$(cat /tmp/pip.rc)")
-  if [ "$(cat /tmp/pip.rc)" = "0" ]; then
-    step pytest 130 python3 -m pytest -m gpu -q -x tests/test_gpu.py -k "backward or gradients"
-  else
-    tail -30 "$out/pip.log"
-  fi
-fi
+has pytest && pytest_step 130 -x -k "backward or gradients"
 echo "================ summary"
 cat "$out/gpu.txt" 2>/dev/null
 cat "$out/sass.txt" 2>/dev/null

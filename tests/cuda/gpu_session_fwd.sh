@@ -49,15 +49,7 @@ has synccheck && step synccheck 90 compute-sanitizer --tool synccheck --error-ex
 for tool in memcheck racecheck synccheck; do
   has ${tool}_staged && step ${tool}_staged 90 compute-sanitizer --tool $tool --error-exitcode 9 $FS --case odd_dims --staged
 done
-if has pytest; then
-  wait $pip_pid
-  summary+=("pip rc=$(cat /tmp/pip.rc)")
-  if [ "$(cat /tmp/pip.rc)" = "0" ]; then
-    step pytest 240 python3 -m pytest -m gpu -q tests/test_gpu.py -k "${PYTEST_K:-megakernel or graphs}"
-  else
-    tail -30 "$out/pip.log"
-  fi
-fi
+has pytest && pytest_step 240 -k "${PYTEST_K:-megakernel or graphs}"
 echo "================ summary"
 cat "$out/gpu.txt" 2>/dev/null
 cat "$out/sass.txt" 2>/dev/null
