@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 SHAPES = {
     1: ("qwen3-30b-a3b", 32768, 2048, 768, 128, 8),
     2: ("sonic-4096", 32768, 4096, 1024, 128, 8),

@@ -15,9 +15,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false MOK_JAX_COMMIT="${MOK_JAX_COMMIT:-}"
 steps="${*:-variants pytest bench}"
 NEED_PY=1 source "$(dirname "$0")/../tests/cuda/session_common.sh"
-wait "$pip_pid"
-summary+=("pip rc=$(cat /tmp/pip.rc)")
-[ "$(cat /tmp/pip.rc)" = "0" ] || { tail -30 "$out/pip.log"; exit 1; }
+wait_pip || exit 1
 so=$(python3 -c "import mok_jax._mok_cuda as m; print(m.__file__)")
 echo "HGMMA in _mok_cuda: $(cuobjdump --dump-sass "$so" | grep -c HGMMA)" > "$out/sass.txt"
 if has variants; then
@@ -28,13 +26,13 @@ if has variants; then
       ${VARIANT_ARGS:---shapes 4,1 --impls cuda,cuda-megakernel --passes fwd,fwd+bwd --iters 10}
   done
 fi
-has pytest && step pytest 240 python3 -m pytest -m gpu -q -x --durations=8 tests/test_gpu.py -k "${PYTEST_K:-}"
+has pytest && pytest_step 240 -x --durations=8 -k "${PYTEST_K:-}"
 has bench && step bench 300 python3 -m benchmarks.run --out "$out" --tag gpu --partial "$out/gpu_partial.json" \
   ${BENCH_ARGS:---shapes 1,2,3,4 --impls cuda,cuda-megakernel,xla,torch --passes fwd,fwd+bwd --sweep ''}
 echo "================ summary"
 cat "$out/gpu.txt" "$out/sass.txt" 2>/dev/null
 for f in "$out"/var_*.log "$out/bench.log"; do
-  [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^\| \(" "$f" | cut -c1-160; }
+  [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "^\| [a-z0-9]" "$f" | grep -v "^| shape " | cut -c1-160; }
 done
 [ -f "$out/pytest.log" ] && grep -E "passed|failed|Error" "$out/pytest.log" | tail -8
 printf '%s\n' "${summary[@]}"

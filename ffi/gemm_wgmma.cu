@@ -245,22 +245,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-
-}  // namespace
-
-// Rasterisation band of every persistent GEMM loop (tile::raster): 8 unless
-// MOK_CUDA_GEMM_GROUP_M overrides it (1 = plain m-major order), for measurement.
-int gemm_group_m() {
-  static const int v = [] {
-    const char* e = std::getenv("MOK_CUDA_GEMM_GROUP_M");
-    const int g = e != nullptr ? std::atoi(e) : 0;
-    return g >= 1 && g <= 64 ? g : 8;
-  }();
-  return v;
-}
-
-namespace {
-
 // Cluster size of the GEMM launches: 1 unless MOK_CUDA_GEMM_CLUSTER=2 (B multicast
 // across CTA pairs: correct, but measured slower on H200, see the report).
 int gemm_cluster_size() {
@@ -313,6 +297,17 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
 }  // namespace
 
 int grouped_gemm_smem_bytes() { return kSmemBytes; }
+
+// Rasterisation band of every persistent GEMM loop (tile::raster): 8 unless
+// MOK_CUDA_GEMM_GROUP_M overrides it (1 = plain m-major order), for measurement.
+int gemm_group_m() {
+  static const int v = [] {
+    const char* e = std::getenv("MOK_CUDA_GEMM_GROUP_M");
+    const int g = e != nullptr ? std::atoi(e) : 0;
+    return g >= 1 && g <= 64 ? g : 8;
+  }();
+  return v;
+}
 
 const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int num_sms, cudaStream_t stream) {
   const bool fused = epi == GemmEpilogue::kGateUpSwiGLU;

@@ -1,7 +1,7 @@
 # Shared by gpu_session_fwd.sh, gpu_session_bwd.sh and benchmarks/gpu_session.sh (sourced after they set
 # $out and $steps): step selection, logged and timed steps, the GPU's clocks,
 # and the Python build started in the background when pytest is a step (or
-# NEED_PY is set), and pytest_step.
+# NEED_PY is set), wait_pip and pytest_step.
 has() { [[ " $steps " == *" $1 "* ]]; }
 summary=()
 step() {  # step NAME TIMEOUT CMD...: logs to $out/NAME.log, records rc, time, last line
@@ -17,15 +17,20 @@ if has pytest || [ -n "${NEED_PY:-}" ]; then
   (python3 -m pip install --no-build-isolation --no-deps -e . > "$out/pip.log" 2>&1; echo $? > /tmp/pip.rc) &
   pip_pid=$!
 fi
-# pytest_step TIMEOUT [pytest args...]: the GPU tests of tests/test_gpu.py once
-# the background Python build is done (its log instead when it failed).
+# wait_pip: waits (once) for the background Python build; fails, with the
+# build log's tail, when the build failed.
+pip_done=""
+wait_pip() {
+  if [ -z "$pip_done" ]; then
+    wait "$pip_pid"
+    pip_done=1
+    summary+=("pip rc=$(cat /tmp/pip.rc)")
+  fi
+  [ "$(cat /tmp/pip.rc)" = "0" ] || { tail -30 "$out/pip.log"; return 1; }
+}
+# pytest_step TIMEOUT [pytest args...]: the GPU tests of tests/test_gpu.py
+# after the Python build.
 pytest_step() {
   local to="$1"; shift
-  wait "$pip_pid"
-  summary+=("pip rc=$(cat /tmp/pip.rc)")
-  if [ "$(cat /tmp/pip.rc)" = "0" ]; then
-    step pytest "$to" python3 -m pytest -m gpu -q "$@" tests/test_gpu.py
-  else
-    tail -30 "$out/pip.log"
-  fi
+  wait_pip && step pytest "$to" python3 -m pytest -m gpu -q "$@" tests/test_gpu.py
 }
