@@ -176,10 +176,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int warp = (threadIdx.x / 32) & 3;
     const int lane = threadIdx.x & 31;
     uint8_t* stg = smem + kStages * kStageBytes + tile::kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes;
+    // The partner's empty barriers, mapped once (one register for the loop).
+    const uint32_t peer_empty = kCluster > 1 ? ptx::map_to_rank(ptx::smem_u32(empty_bar), crank ^ 1) : 0u;
     auto release = [&](uint32_t s) {
       if (lane == 0) {
         ptx::mbar_arrive(&empty_bar[s]);
-        if (kCluster > 1) ptx::mbar_arrive_cluster(ptx::map_to_rank(ptx::smem_u32(&empty_bar[s]), crank ^ 1));
+        if (kCluster > 1) ptx::mbar_arrive_cluster(peer_empty + s * 8);
       }
     };
     float acc[128];
@@ -245,14 +247,50 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// Cluster size of the GEMM launches: 1 unless MOK_CUDA_GEMM_CLUSTER=2 (B multicast
-// across CTA pairs: correct, but measured slower on H200, see the report).
+// Cluster size of the GEMM launches: 2 (B multicast across CTA pairs; H200,
+// standalone harness: shape 1 forward 5.39 -> 5.09 ms, Mixtral 10.01 -> 9.62 ms)
+// unless MOK_CUDA_GEMM_CLUSTER=1 (one CTA per tile, for measurements).
 int gemm_cluster_size() {
   static const int v = [] {
     const char* e = std::getenv("MOK_CUDA_GEMM_CLUSTER");
-    return (e != nullptr && std::atoi(e) == 2) ? 2 : 1;
+    return (e != nullptr && std::atoi(e) == 1) ? 1 : 2;
   }();
   return v;
+}
+
+// Persistent grid: as many clusters as can be resident at once, queried once per
+// kernel variant (assumes one device type per process); 0 when the query fails.
+template <bool kFused, int kCluster>
+int resident_clusters(int num_sms) {
+  static std::atomic<int> cached{-1};
+  if (cached.load() < 0) {
+    auto* kern = grouped_gemm_kernel<kFused, kCluster>;
+    int n = 0;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(kCluster * std::max(1, num_sms / kCluster), 1, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    bool ok = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) == cudaSuccess;
+    if (ok && kCluster == 1) {
+      ok = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, kThreads, kSmemBytes) == cudaSuccess;
+      n *= num_sms;
+    } else if (ok) {
+      ok = cudaOccupancyMaxActiveClusters(&n, kern, &cfg) == cudaSuccess;
+    }
+    if (!ok || n <= 0) {
+      (void)cudaGetLastError();
+      n = 0;
+    }
+    cached.store(n);
+  }
+  return cached.load();
 }
 
 template <bool kFused, int kCluster>
@@ -272,21 +310,11 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = kCluster > 1 ? 1 : 0;
-  // Persistent grid: as many clusters as can be resident at once (queried once
-  // per kernel; assumes one device type per process), at most one per unit.
-  static std::atomic<int> max_clusters{-1};
-  if (max_clusters.load() < 0) {
-    int n = 0;
-    cfg.gridDim = dim3(kCluster * std::max(1, num_sms / kCluster), 1, 1);
-    if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess || n <= 0) {
-      (void)cudaGetLastError();
-      n = std::max(1, num_sms / kCluster);
-    }
-    max_clusters.store(n);
-  }
+  int max_clusters = resident_clusters<kFused, kCluster>(num_sms);
+  if (max_clusters <= 0) max_clusters = std::max(1, num_sms / kCluster);
   const int64_t units = int64_t((p.m_tiles + kCluster - 1) / kCluster) * p.n_tiles;
   if (units <= 0) return nullptr;
-  const int clusters = static_cast<int>(std::min<int64_t>(units, max_clusters.load()));
+  const int clusters = static_cast<int>(std::min<int64_t>(units, max_clusters));
   cfg.gridDim = dim3(clusters * kCluster, 1, 1);
   if (cudaLaunchKernelEx(&cfg, kern, tm_a, tm_b0, tm_b1, p) != cudaSuccess)
     return "mok cuda gemm: kernel launch failed";
@@ -297,6 +325,12 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
 }  // namespace
 
 int grouped_gemm_smem_bytes() { return kSmemBytes; }
+
+int grouped_gemm_resident_clusters(GemmEpilogue epi, int cluster, int num_sms) {
+  const bool fused = epi == GemmEpilogue::kGateUpSwiGLU;
+  if (cluster == 2) return fused ? resident_clusters<true, 2>(num_sms) : resident_clusters<false, 2>(num_sms);
+  return fused ? resident_clusters<true, 1>(num_sms) : resident_clusters<false, 1>(num_sms);
+}
 
 // Rasterisation band of every persistent GEMM loop (tile::raster): 8 unless
 // MOK_CUDA_GEMM_GROUP_M overrides it (1 = plain m-major order), for measurement.

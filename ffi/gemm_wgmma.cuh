@@ -10,8 +10,9 @@
 // CTA tile 128 x 256 (2 consumer WGs x m64n256k16), K step 64, 4 stages of 48 KB,
 // epilogue staged per warp through 18 KB of shared memory (coalesced 16-byte
 // stores); 216,320 B dynamic smem, 168 regs at entry (setmaxnreg 40 / 232).
-// MOK_CUDA_GEMM_CLUSTER=2 selects a 2-CTA cluster variant that multicasts the B
-// stage to both CTAs (correct, but measured slower on H200; default is 1).
+// Launched as clusters of 2 CTAs on adjacent m tiles that multicast the B stage
+// to both (half the L2 reads of the weights; MOK_CUDA_GEMM_CLUSTER=1 launches
+// single CTAs, for measurements).
 //
 // Epilogues:
 //   kGateUpSwiGLU: B0 = gate weights, B1 = up weights; a CTA covers 128 columns of
@@ -68,6 +69,11 @@ int gemm_group_m();
 
 // Dynamic shared memory one GEMM CTA uses (for reports).
 int grouped_gemm_smem_bytes();
+
+// Clusters of `cluster` (1 or 2) CTAs of the GEMM kernel that can be resident at
+// once (cudaOccupancyMaxActiveClusters, cached): the persistent grid. 0 when the
+// query failed (the launch then assumes num_sms / cluster).
+int grouped_gemm_resident_clusters(GemmEpilogue epi, int cluster, int num_sms);
 
 // ------------------------------------------------------------------ backward
 // Backward GEMMs (gemm_wgmma_bwd.cu), same machinery (128x256 CTA tile, K step

@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     for (int s = 0; s < kTaskSlots; ++s) {
       ptx::mbar_init(&task_full[s], 1);
-      ptx::mbar_init(&task_empty[s], tile::kConsumerWarps);
+      ptx::mbar_init(&task_empty[s], 32 * tile::kConsumerWarps);  // every consumer thread
       ptx::mbar_init(&done_full[s], tile::kConsumerWarps);
       ptx::mbar_init(&done_empty[s], 1);
     }
@@ -468,8 +468,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t qs = q % kTaskSlots;
       ptx::mbar_wait(&task_full[qs], (q / kTaskSlots) & 1);
       const int4 info = task_info[qs];
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(&task_empty[qs]);
+      // Every reader arrives itself (release after its own read), so the
+      // producer's next write of the slot is ordered after all reads
+      // (racecheck flagged the one-lane-per-warp arrive after __syncwarp).
+      ptx::mbar_arrive(&task_empty[qs]);
       ++q;
       if (info.x < 0) {
         hand_over(q - 1, -1, 0);
@@ -512,7 +514,11 @@ const char* resolve_megakernel(const Problem& p, const MegakernelConfig& cfg, Me
   if (cfg.ring_rows < 0 || cfg.ring_rows % 128 != 0) return "mok cuda megakernel: ring_rows must be a positive multiple of 128";
   MegakernelPlan P;
   P.dispatch_ctas = cfg.dispatch_ctas ? cfg.dispatch_ctas : kDefaultDispatchCtas;
-  P.minibatch_rows = cfg.minibatch_rows ? cfg.minibatch_rows : kDefaultMinibatchRows;
+  P.minibatch_rows = cfg.minibatch_rows;
+  if (P.minibatch_rows == 0) {  // the default, halved until it divides a given ring
+    P.minibatch_rows = kDefaultMinibatchRows;
+    while (cfg.ring_rows != 0 && cfg.ring_rows % P.minibatch_rows != 0) P.minibatch_rows /= 2;
+  }
   const int64_t R = p.row_capacity();
   P.minibatches = static_cast<int>((R + P.minibatch_rows - 1) / P.minibatch_rows);
   const int64_t full = int64_t(P.minibatches) * P.minibatch_rows;  // a ring this big is never reused

@@ -41,7 +41,9 @@ class MegakernelConfig:
         fewer compute CTAs (they join the compute once the dispatch is done).
       minibatch_rows: rows per dispatch minibatch, the hand-over granularity
         (one ready counter each): a positive multiple of 128, at most 8192;
-        None = the default (128).
+        None = the default (1024: the gate/up tasks of a minibatch share each
+        weight tile across its 8 row tiles; halved until it divides a given
+        ``ring_rows``).
       ring_rows: rows of the fixed-size ring token buffer, reused across
         macrobatches (it takes ``ring_rows * H * 2`` bytes of workspace;
         tokens beyond it are processed in further macrobatches): a positive

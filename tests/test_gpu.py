@@ -267,18 +267,22 @@ r = jax.random.normal(jax.random.key(2), (256, 16), jnp.float32)
 wg, wu = [jax.random.normal(jax.random.key(i), (16, 256, 384), jnp.float32).astype(jnp.bfloat16) * 0.05
           for i in (3, 4)]
 wd = jax.random.normal(jax.random.key(5), (16, 384, 256), jnp.float32).astype(jnp.bfloat16) * 0.05
-def loss(x, wg, wu, wd):  # the staged default and the persistent megakernel
-    total = 0.0
-    for cfg in (None, mok_jax.MegakernelConfig(persistent=True)):
+saved, same = {}, True
+# The staged default and the persistent megakernel, each in its own executable
+# (so a mismatch names its path).
+for path, cfg in (("staged", None), ("megakernel", mok_jax.MegakernelConfig(persistent=True))):
+    def loss(x, wg, wu, wd):
         y, _ = mok_jax.moe_layer(x, r, wg, wu, wd, top_k=4, implementation="cuda", megakernel=cfg)
-        total = total + jnp.sum(y.astype(jnp.float32) ** 2)
-    return total
-f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
-outs = [f(x, wg, wu, wd) for _ in range(3)]   # replays
-flat = lambda o: np.concatenate([np.asarray(o[0], np.float32).ravel()] +
-                                [np.asarray(g.astype(jnp.float32)).ravel() for g in o[1]])
-np.save(sys.argv[1], flat(outs[-1]))
-same = all(np.array_equal(flat(o), flat(outs[0])) for o in outs)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    outs = [f(x, wg, wu, wd) for _ in range(3)]   # replays
+    parts = lambda o: dict(zip(("loss", "dx", "dw_gate", "dw_up", "dw_down"),
+                               [np.asarray(o[0], np.float32)] +
+                               [np.asarray(g.astype(jnp.float32)) for g in o[1]]))
+    last = parts(outs[-1])
+    saved.update({f"{path}_{k}": v for k, v in last.items()})
+    same = same and all(np.array_equal(parts(o)[k], last[k]) for o in outs for k in last)
+np.savez(sys.argv[1], **saved)
 from mok_jax import _ffi
 # Handler calls made while XLA captured the stream into a CUDA graph (newer
 # XLA forms command buffers from thunks, after the HLO, so the HLO text can't
@@ -289,8 +293,8 @@ print(json.dumps({"captured": int(_ffi._mok_cuda.captured_calls()), "replays_equ
 
 def test_handlers_run_inside_cuda_graphs(tmp_path):
     """Both handlers are marked command-buffer compatible: with custom calls in
-    XLA's command buffers the forward+backward is captured into a CUDA graph
-    and replayed, and gives the same values as without graphs."""
+    XLA's command buffers the forward+backward of both CUDA paths is captured
+    into CUDA graphs and replayed, and gives the same values as without graphs."""
     import json
     import os
     import subprocess
@@ -302,7 +306,7 @@ def test_handlers_run_inside_cuda_graphs(tmp_path):
                                   "--xla_gpu_graph_min_graph_size=1"),
                         ("nograph", "--xla_gpu_enable_command_buffer=")]:
         env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-        out = subprocess.run([sys.executable, str(script), str(tmp_path / f"{name}.npy")],
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / f"{name}.npz")],
                              env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         res[name] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -310,8 +314,11 @@ def test_handlers_run_inside_cuda_graphs(tmp_path):
     assert res["graph"]["captured"] >= 4, res
     assert res["nograph"]["captured"] == 0, res
     assert res["graph"]["replays_equal"]
-    a, b = np.load(tmp_path / "graph.npy"), np.load(tmp_path / "nograph.npy")
-    assert np.array_equal(a, b)
+    a, b = np.load(tmp_path / "graph.npz"), np.load(tmp_path / "nograph.npz")
+    assert sorted(a.files) == sorted(b.files)
+    diffs = {k: (int(np.sum(a[k] != b[k])), a[k].size, float(np.max(np.abs(a[k] - b[k]))))
+             for k in a.files if not np.array_equal(a[k], b[k])}
+    assert not diffs, f"graph vs no graph (differing elements, size, max |diff|): {diffs}"
 
 
 def test_cuda_and_xla_train_the_same_loss_curve():

@@ -2,8 +2,9 @@
 //
 //   forward_standalone [--correctness] [--small] [--case NAME] [--timing] [--timing-shared] [--iters N]
 //                      [--staged | --dispatch-ctas N --minibatch-rows N --ring-rows N]
+//                      [--shape T,H,F,E,K]   (timing shape; default benchmark shape 1)
 //   (the megakernel unless --staged)
-//   (MOK_CUDA_GEMM_CLUSTER=2 selects the 2-CTA multicast GEMM variant)
+//   (MOK_CUDA_GEMM_CLUSTER=1 selects the single-CTA GEMM launch; default: 2-CTA clusters)
 //
 // Correctness: random bf16 inputs (never zeros), outputs and workspace poisoned
 // with 0xFF bytes, compared against a CPU reference in fp64 (schedule tensors
@@ -435,8 +436,10 @@ static bool check_case(const Case& c, uint64_t seed, cudaStream_t st) {
   return ok;
 }
 
-static int run_timing(int iters, cudaStream_t st, bool with_shared) {
-  Case c{"bench", 32768, 2048, 768, 128, 8, with_shared ? 2048 : 0, Routing::kUniform, 0.0, 1024};
+// Times the forward at shape c (benchmark shape 1 unless --shape), then checks
+// it: determinism and every token_stride-th token against the reference.
+static int run_timing(Case c, int iters, cudaStream_t st, bool with_shared) {
+  if (with_shared) c.Fs = c.H;
   Problem pr;
   pr.tokens = c.T;
   pr.hidden = c.H;
@@ -516,6 +519,7 @@ int main(int argc, char** argv) {
   bool corr = false, small = false, timing = false, shared_timing = false;
   int iters = 30;
   std::string only;
+  Case bench{"bench", 32768, 2048, 768, 128, 8, 0, Routing::kUniform, 0.0, 1024};
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--correctness") corr = true;
@@ -528,6 +532,14 @@ int main(int argc, char** argv) {
     else if (a == "--minibatch-rows" && i + 1 < argc) g_cfg.minibatch_rows = std::atoi(argv[++i]);
     else if (a == "--ring-rows" && i + 1 < argc) g_cfg.ring_rows = std::atoi(argv[++i]);
     else if (a == "--case" && i + 1 < argc) { only = argv[++i]; corr = true; small = true; }
+    else if (a == "--shape" && i + 1 < argc) {
+      long long T, H, F, E, K;
+      if (std::sscanf(argv[++i], "%lld,%lld,%lld,%lld,%lld", &T, &H, &F, &E, &K) != 5) {
+        std::printf("--shape wants T,H,F,E,K\n");
+        return 2;
+      }
+      bench.T = T, bench.H = H, bench.F = F, bench.E = E, bench.K = K;
+    }
   }
   if (!corr && !timing && !shared_timing) corr = timing = true;
   cudaDeviceProp prop;
@@ -535,6 +547,11 @@ int main(int argc, char** argv) {
   std::printf("device: %s, %d SMs, cc %d.%d; gemm smem/CTA %d B; %s (dispatch_ctas %d, minibatch_rows %d, ring_rows %d; 0 = default)\n",
               prop.name, prop.multiProcessorCount, prop.major, prop.minor, mok::cuda::grouped_gemm_smem_bytes(),
               g_cfg.persistent ? "megakernel" : "staged", g_cfg.dispatch_ctas, g_cfg.minibatch_rows, g_cfg.ring_rows);
+  std::printf("gemm resident clusters (gate/up, down): cluster 1: %d, %d; cluster 2: %d, %d\n",
+              mok::cuda::grouped_gemm_resident_clusters(mok::cuda::GemmEpilogue::kGateUpSwiGLU, 1, prop.multiProcessorCount),
+              mok::cuda::grouped_gemm_resident_clusters(mok::cuda::GemmEpilogue::kStore, 1, prop.multiProcessorCount),
+              mok::cuda::grouped_gemm_resident_clusters(mok::cuda::GemmEpilogue::kGateUpSwiGLU, 2, prop.multiProcessorCount),
+              mok::cuda::grouped_gemm_resident_clusters(mok::cuda::GemmEpilogue::kStore, 2, prop.multiProcessorCount));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   int fails = 0;
@@ -567,8 +584,8 @@ int main(int argc, char** argv) {
     for (const Case& c : cases) fails += check_case(c, seed++, st) ? 0 : 1;
     std::printf("correctness: %d/%zu cases passed\n", int(cases.size()) - fails, cases.size());
   }
-  if (timing) fails += run_timing(iters, st, false);
-  if (shared_timing) fails += run_timing(iters, st, true);
+  if (timing) fails += run_timing(bench, iters, st, false);
+  if (shared_timing) fails += run_timing(bench, iters, st, true);
   CK(cudaStreamDestroy(st));
   std::printf("RESULT: %s\n", fails == 0 ? "ALL PASS" : "FAILURES");
   return fails == 0 ? 0 : 1;
