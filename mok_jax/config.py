@@ -29,9 +29,9 @@ class MegakernelConfig:
       persistent: False (default): the staged sequence of kernels (dispatch
         gather, gate/up GEMM with fused SwiGLU, down GEMM, combine), the path
         measured end to end through JAX on every benchmark shape. True: the
-        forward runs as one persistent megakernel (slower today: 6.43 ms
-        against the staged 5.32 ms at the Qwen3-30B-A3B shape on an H200,
-        docs/design.md),
+        forward runs as one persistent megakernel (slower today: 5.61 ms
+        against the staged 5.17 ms at the Qwen3-30B-A3B shape on an H200,
+        9.87 against 9.70 at Mixtral, docs/design.md),
         dispatch CTAs pulling token rows through a peer-pointer table into a
         ring buffer while compute CTAs run the expert GEMMs on the rows
         already there; the three knobs below tune it and need
