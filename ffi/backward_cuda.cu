@@ -5,10 +5,13 @@
 //   part         fp32[R * ceil(F / 256)]   partial <gd, a> per row and 256-column tile
 //   xs           bf16[R, H]   gathered x rows
 //   dys          bf16[R, H]   gathered dy rows; reused for dxs after the wgrads
-//   dg, du, aw   bf16[R, F] each
-//   sdg, sdu, saw bf16[T, Fs] each, sdx bf16[T, H]   (Fs > 0 only)
-// Total ~= 4*R*H + 6*R*F + 4*R*ceil(F/256) + [Fs > 0] * (6*T*Fs + 2*T*H) + 4*R/128 bytes
-// (R = row_capacity = round_up(T*K + E*127, 128)).
+//   aw           bf16[R, F]
+//   saw bf16[T, Fs], sdx bf16[T, H]   (Fs > 0 only)
+// Total ~= 4*R*H + 2*R*F + 4*R*ceil(F/256) + [Fs > 0] * (2*T*Fs + 2*T*H) + 4*R/128 bytes
+// (R = row_capacity = round_up(T*K + E*127, 128)). dg and du (and the shared
+// expert's) go to BackwardArgs::d_gate_rows etc., which the FFI call aliases
+// with the spent gate_pre/up_pre residuals: the SwiGLU-backward epilogue reads
+// each residual element once, in the warp that then overwrites it.
 #include "backward_cuda.h"
 
 #include <cuda_bf16.h>
@@ -25,7 +28,7 @@ namespace mok::cuda {
 namespace {
 
 struct Layout {
-  size_t tile_expert, part, xs, dys, dg, du, aw, sdg, sdu, saw, sdx, total;
+  size_t tile_expert, part, xs, dys, aw, saw, sdx, total;
 };
 
 int64_t f_tiles(const Problem& p) { return (p.ffn + 255) / 256; }
@@ -41,12 +44,8 @@ Layout make_layout(const Problem& p) {
   L.part = take(R * static_cast<size_t>(f_tiles(p)) * sizeof(float));
   L.xs = take(R * H * 2);
   L.dys = take(R * H * 2);
-  L.dg = take(R * F * 2);
-  L.du = take(R * F * 2);
   L.aw = take(R * F * 2);
   if (Fs > 0) {
-    L.sdg = take(T * Fs * 2);
-    L.sdu = take(T * Fs * 2);
     L.saw = take(T * Fs * 2);
     L.sdx = take(T * H * 2);
   }
@@ -145,10 +144,13 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
       !aligned16(f.gate_pre) || !aligned16(f.up_pre) || !aligned16(a.dx) || !aligned16(a.dw_gate) ||
       !aligned16(a.dw_up) || !aligned16(a.dw_down))
     return "mok cuda backward: tensors must be 16-byte aligned";
+  if (a.d_gate_rows == nullptr || a.d_up_rows == nullptr || !aligned16(a.d_gate_rows) || !aligned16(a.d_up_rows))
+    return "mok cuda backward: gate/up gradient rows missing or misaligned";
   const bool has_shared = p.shared_ffn > 0;
   if (has_shared && (!aligned16(f.ws_gate) || !aligned16(f.ws_up) || !aligned16(f.ws_down) ||
                      !aligned16(f.shared_gate_pre) || !aligned16(f.shared_up_pre) || !aligned16(a.dws_gate) ||
-                     !aligned16(a.dws_up) || !aligned16(a.dws_down)))
+                     !aligned16(a.dws_up) || !aligned16(a.dws_down) || a.d_shared_gate == nullptr ||
+                     a.d_shared_up == nullptr || !aligned16(a.d_shared_gate) || !aligned16(a.d_shared_up)))
     return "mok cuda backward: shared-expert tensors must be 16-byte aligned";
 
   int dev = 0, sms = 0;
@@ -161,8 +163,8 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
   float* part = reinterpret_cast<float*>(ws + L.part);
   void* xs = ws + L.xs;
   void* dys = ws + L.dys;
-  void* dg = ws + L.dg;
-  void* du = ws + L.du;
+  void* dg = a.d_gate_rows;  // may alias f.gate_pre (read before overwritten)
+  void* du = a.d_up_rows;    // may alias f.up_pre
   void* aw = ws + L.aw;
   const int64_t R = p.row_capacity(), T = p.tokens, H = p.hidden, F = p.ffn, E = p.experts, Fs = p.shared_ffn;
   const bool shared_rows = has_shared && T > 0;
@@ -212,8 +214,8 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
     g.gate_pre = f.shared_gate_pre;
     g.up_pre = f.shared_up_pre;
     g.row_mask = f.token_mask;
-    g.out0 = ws + L.sdg;
-    g.out1 = ws + L.sdu;
+    g.out0 = a.d_shared_gate;
+    g.out1 = a.d_shared_up;
     g.out2 = ws + L.saw;
     if (const char* e = launch_dgrad_swiglu_bwd(g, sms, stream)) return e;
   }
@@ -234,8 +236,8 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
   if (shared_rows) {
     WgradArgs w;
     w.jobs = 3;
-    w.job[0] = WgradJob{f.x, H, ws + L.sdg, Fs, a.dws_gate};
-    w.job[1] = WgradJob{f.x, H, ws + L.sdu, Fs, a.dws_up};
+    w.job[0] = WgradJob{f.x, H, a.d_shared_gate, Fs, a.dws_gate};
+    w.job[1] = WgradJob{f.x, H, a.d_shared_up, Fs, a.dws_up};
     w.job[2] = WgradJob{ws + L.saw, Fs, a.dy, H, a.dws_down};
     w.rows = T;
     w.groups = 1;
@@ -267,8 +269,8 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
   }
   if (shared_rows) {
     DgradArgs g;
-    g.a0 = ws + L.sdg;
-    g.a1 = ws + L.sdu;
+    g.a0 = a.d_shared_gate;
+    g.a1 = a.d_shared_up;
     g.m_rows = T;
     g.k = Fs;
     g.b0 = f.ws_gate;  // [H, Fs]

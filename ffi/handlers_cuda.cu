@@ -2,6 +2,9 @@
 // module `_mok_cuda`. The forward's device workspace is one more XLA output
 // (uint8[forward_workspace_bytes]) rather than a per-call allocation: XLA
 // places it at compile time, and its lifetime covers the stream-ordered work.
+// The backward has a workspace output too, plus four results aliased with the
+// gate/up residuals (input_output_aliases in mok_jax/_ffi.py), where it writes
+// the gate/up gradient rows over the spent pre-activations.
 // Both handlers launch exactly the same device work on every call (grids are
 // sized from static capacities, real counts are read on the device, no
 // allocation, no host sync), so they are marked command-buffer (CUDA graph)
@@ -90,17 +93,29 @@ ffi::Error BackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf 
                         Buf wu, Buf wd, Buf wsg, Buf wsu, Buf wsd, Buf offsets, Buf row_pair,
                         Buf pair_row, Buf gate_pre, Buf up_pre, Buf sgate_pre, Buf sup_pre, Ret dx,
                         Ret dw, Ret dwg, Ret dwu, Ret dwd, Ret dwsg, Ret dwsu, Ret dwsd,
-                        Ret workspace) {
+                        Ret workspace, Ret d_gate_rows, Ret d_up_rows, Ret d_shared_gate,
+                        Ret d_shared_up) {
   count_capture(stream);
   return run_backward(
       dy, Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd},
       Residuals{offsets, row_pair, pair_row, gate_pre, up_pre, sgate_pre, sup_pre}, dx, dw, dwg,
-      dwu, dwd, dwsg, dwsu, dwsd, [&](const Problem& p, const BackwardArgs& a) -> std::string {
+      dwu, dwd, dwsg, dwsu, dwsd, [&](const Problem& p, const BackwardArgs& args) -> std::string {
         if (p.dtype != DType::kBF16) return "the CUDA backend supports bfloat16 only";
         const size_t need = cuda::backward_workspace_bytes(p);
         if (workspace->size_bytes() < need)
           return "workspace has " + std::to_string(workspace->size_bytes()) + " bytes, needs " +
                  std::to_string(need);
+        // The gradient-row scratch: results aliased with the residuals (same shapes).
+        const size_t rows_bytes = static_cast<size_t>(p.row_capacity()) * p.ffn * 2;
+        const size_t shared_bytes = static_cast<size_t>(p.tokens) * p.shared_ffn * 2;
+        if (d_gate_rows->size_bytes() < rows_bytes || d_up_rows->size_bytes() < rows_bytes ||
+            d_shared_gate->size_bytes() < shared_bytes || d_shared_up->size_bytes() < shared_bytes)
+          return "the backward's gradient-row results are smaller than gate_pre/up_pre";
+        BackwardArgs a = args;
+        a.d_gate_rows = d_gate_rows->untyped_data();
+        a.d_up_rows = d_up_rows->untyped_data();
+        a.d_shared_gate = d_shared_gate->untyped_data();
+        a.d_shared_up = d_shared_up->untyped_data();
         if (const char* err = cuda::backward(p, a, workspace->untyped_data(), stream)) return err;
         return {};
       });
@@ -112,7 +127,11 @@ ffi::Error BackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokExpertsBwdCuda, mok::BackwardCuda,
     mok::BindBackward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
-        .Ret<mok::Buf>(),  // + workspace
+        .Ret<mok::Buf>()   // + workspace
+        .Ret<mok::Buf>()   // + d_gate_rows [R, F], aliased with gate_pre
+        .Ret<mok::Buf>()   // + d_up_rows [R, F], aliased with up_pre
+        .Ret<mok::Buf>()   // + d_shared_gate [T, Fs], aliased with shared_gate_pre
+        .Ret<mok::Buf>(),  // + d_shared_up [T, Fs], aliased with shared_up_pre
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -78,6 +78,14 @@ struct BackwardArgs {
   void* dws_gate;              // [H, Fs]
   void* dws_up;                // [H, Fs]
   void* dws_down;              // [Fs, H]
+  // Scratch of the CUDA backward for the gate/up gradient rows. The FFI call
+  // aliases them with the spent residuals (fwd.gate_pre, fwd.up_pre,
+  // fwd.shared_*_pre: input_output_aliases), which the backward overwrites
+  // in place, so no second [R, F] pair is held. nullptr on the CPU path.
+  void* d_gate_rows = nullptr;    // [R, F]
+  void* d_up_rows = nullptr;      // [R, F]
+  void* d_shared_gate = nullptr;  // [T, Fs]
+  void* d_shared_up = nullptr;    // [T, Fs]
 };
 
 }  // namespace mok

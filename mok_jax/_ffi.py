@@ -148,15 +148,32 @@ def forward_call(platform, inputs, megakernel=None):
     return outs[:8]
 
 
+# Operand positions of the backward call's gate/up residuals (after dy, the 10
+# inputs and offsets, row_pair, pair_row) and of the CUDA results aliased with
+# them (after the 8 gradients and the workspace).
+_BWD_PRE_OPERANDS = (14, 15, 16, 17)
+_BWD_PRE_RESULTS = (9, 10, 11, 12)
+
+
 def backward_call(platform, dy, inputs, residuals):
     x, ids = inputs[0], inputs[1]
     types = backward_result_types(x, ids, inputs[4:])
-    if platform == "cuda":  # the device workspace is one more XLA-owned output
+    aliases = {}
+    if platform == "cuda":
+        # The device workspace is one more XLA-owned output; four more results
+        # alias the gate/up residuals, which the backward overwrites with the
+        # gate/up gradient rows (they are spent by then): 2 R F + 2 T Fs
+        # elements fewer at the step's peak. XLA copies a residual first when
+        # it is still live elsewhere (e.g. a vjp called twice).
         T, H = x.shape
         wg, wsg = inputs[4], inputs[7]
         E, _, F = wg.shape
-        nbytes = _mok_cuda.backward_workspace_bytes(T, H, F, E, ids.shape[1], wsg.shape[1])
-        types = (*types, _result((nbytes,), np.uint8, x))
-    outs = jax.ffi.ffi_call(f"mok_experts_bwd_{platform}", types, vmap_method="sequential")(
-        dy, *inputs, *residuals)
+        Fs = wsg.shape[1]
+        nbytes = _mok_cuda.backward_workspace_bytes(T, H, F, E, ids.shape[1], Fs)
+        pre = residuals[3:7]  # gate_pre, up_pre, shared_gate_pre, shared_up_pre
+        types = (*types, _result((nbytes,), np.uint8, x), *(jax.typeof(r) for r in pre))
+        n_alias = 4 if Fs > 0 else 2  # zero-size shared buffers stay unaliased
+        aliases = dict(zip(_BWD_PRE_OPERANDS[:n_alias], _BWD_PRE_RESULTS[:n_alias]))
+    outs = jax.ffi.ffi_call(f"mok_experts_bwd_{platform}", types, vmap_method="sequential",
+                            input_output_aliases=aliases)(dy, *inputs, *residuals)
     return outs[:8]

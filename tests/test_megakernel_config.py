@@ -5,6 +5,7 @@ nothing; the CUDA call is checked by lowering for CUDA against a stand-in for
 the CUDA module (no GPU needed)."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -329,6 +330,31 @@ def test_cuda_forward_gets_the_knobs(fake_cuda, cfg, want):
     assert "tensor<4096xui8>" in fwd[0] and "tensor<8192xui8>" in bwd[0]
     assert fake_cuda.calls == [("fwd", (T, Hc, Fc, E, K, 32, *want)),
                                ("bwd", (T, Hc, Fc, E, K, 32))]
+
+
+@pytest.mark.parametrize("Fs", [32, 0])
+def test_cuda_backward_aliases_the_gate_up_residuals(fake_cuda, Fs):
+    """The CUDA backward writes the gate/up gradient rows over the spent
+    gate_pre/up_pre residuals (and the shared expert's, when there is one):
+    its results 9-12 alias operands 14-17, each with the residual's own type."""
+    x, ids, w, wg, wu, wd, sh = _cuda_problem(Fs=Fs)
+
+    def f(x, wg):
+        y = mok_jax.experts(x, ids, w, wg, wu, wd, shared_experts=sh if Fs else None,
+                            implementation="cuda")
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    text = jax.jit(jax.grad(f, argnums=(0, 1))).trace(x, wg).lower(
+        lowering_platforms=("cuda",)).as_text()
+    (bwd,) = _custom_calls(text, "mok_experts_bwd_cuda")
+    pairs = [(9, 14), (10, 15)] + ([(11, 16), (12, 17)] if Fs else [])
+    found = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", bwd)
+    assert [(int(a), int(b)) for a, b in found] == pairs
+    operands = re.search(r"\} : \((.*)\) -> \((.*)\)$", bwd.strip())
+    ins, outs = [re.findall(r"tensor<[^>]*>", g) for g in operands.groups()]
+    assert len(ins) == 18 and len(outs) == 13
+    for out_i, in_i in [(9, 14), (10, 15), (11, 16), (12, 17)]:
+        assert outs[out_i] == ins[in_i]
 
 
 def test_cpu_forward_gets_no_attributes():

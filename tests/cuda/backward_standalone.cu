@@ -165,6 +165,9 @@ static void* dalloc(size_t bytes) {
 
 struct Dev {
   void *x, *dy, *wg, *wu, *wd, *sg, *su, *sd, *y, *gp, *upp, *sgp, *sup, *fws, *bws;
+  // Copies of the gate/up residuals: the backward overwrites them in place with
+  // the gradient rows (as under XLA's aliasing), so each backward restores them.
+  void *gp0, *upp0, *sgp0, *sup0;
   int32_t *ids, *eo, *rp, *pr;
   float* tw;
   uint8_t* mask;
@@ -205,6 +208,10 @@ static void setup(const Problem& pr, const Host& h, Dev& d) {
   d.upp = dalloc(R * F * 2);
   d.sgp = dalloc(T * Fs8 * 2);
   d.sup = dalloc(T * Fs8 * 2);
+  d.gp0 = dalloc(R * F * 2);
+  d.upp0 = dalloc(R * F * 2);
+  d.sgp0 = dalloc(T * Fs8 * 2);
+  d.sup0 = dalloc(T * Fs8 * 2);
   d.eo = static_cast<int32_t*>(dalloc((E + 1) * 4));
   d.rp = static_cast<int32_t*>(dalloc(R * 4));
   d.pr = static_cast<int32_t*>(dalloc(pr.pairs() * 4));
@@ -223,6 +230,7 @@ static void setup(const Problem& pr, const Host& h, Dev& d) {
 }
 static void teardown(Dev& d) {
   for (void* p : {d.x, d.dy, d.wg, d.wu, d.wd, d.sg, d.su, d.sd, d.y, d.gp, d.upp, d.sgp, d.sup, d.fws, d.bws,
+                  d.gp0, d.upp0, d.sgp0, d.sup0,
                   (void*)d.ids, (void*)d.eo, (void*)d.rp, (void*)d.pr, (void*)d.tw, (void*)d.mask, d.dx,
                   (void*)d.dtw, d.dwg, d.dwu, d.dwd, d.dsg, d.dsu, d.dsd})
     CK(cudaFree(p));
@@ -261,7 +269,23 @@ static BackwardArgs bwd_args(const Dev& d) {
   b.dws_gate = d.dsg;
   b.dws_up = d.dsu;
   b.dws_down = d.dsd;
+  b.d_gate_rows = d.gp;  // in place over the residuals, as the FFI call aliases them
+  b.d_up_rows = d.upp;
+  b.d_shared_gate = d.sgp;
+  b.d_shared_up = d.sup;
   return b;
+}
+
+// Saves (after a forward) or restores (before a backward) the gate/up residuals.
+static void keep_residuals(const Problem& pr, const Dev& d, cudaStream_t st, bool save) {
+  const size_t rf = static_cast<size_t>(pr.row_capacity()) * pr.ffn * 2;
+  const size_t tf = static_cast<size_t>(pr.tokens) * pr.shared_ffn * 2;
+  void* const live[4] = {d.gp, d.upp, d.sgp, d.sup};
+  void* const kept[4] = {d.gp0, d.upp0, d.sgp0, d.sup0};
+  const size_t bytes[4] = {rf, rf, tf, tf};
+  for (int i = 0; i < 4; ++i)
+    if (bytes[i]) CK(cudaMemcpyAsync(save ? kept[i] : live[i], save ? live[i] : kept[i], bytes[i],
+                                     cudaMemcpyDeviceToDevice, st));
 }
 
 struct Res {  // forward residuals on the host
@@ -289,6 +313,7 @@ static bool run_forward(const Problem& pr, const Dev& d, cudaStream_t st, Res* r
     std::printf("  forward returned error: %s\n", err);
     return false;
   }
+  keep_residuals(pr, d, st, true);
   CK(cudaStreamSynchronize(st));
   CK(cudaGetLastError());
   if (r) {
@@ -321,6 +346,7 @@ static void poison_bwd(const Problem& pr, const Dev& d) {
 
 static bool run_backward(const Problem& pr, const Dev& d, cudaStream_t st, Grads& g) {
   poison_bwd(pr, d);
+  keep_residuals(pr, d, st, false);
   CK(cudaDeviceSynchronize());
   const char* err = mok::cuda::backward(pr, bwd_args(d), d.bws, st);
   if (err) {
@@ -593,6 +619,7 @@ static int run_timing(int iters, cudaStream_t st, bool with_shared) {
   mok::cuda::BackwardStageEvents se;
   for (auto& e : se.ev) CK(cudaEventCreate(&e));
   for (int i = 0; i < 3; ++i) {
+    keep_residuals(pr, d, st, false);
     const char* err = mok::cuda::backward(pr, args, d.bws, st);
     if (err) {
       std::printf("backward error: %s\n", err);
@@ -603,6 +630,7 @@ static int run_timing(int iters, cudaStream_t st, bool with_shared) {
   CK(cudaGetLastError());
   std::vector<float> tot, stage[5];
   for (int i = 0; i < iters; ++i) {
+    keep_residuals(pr, d, st, false);  // before ev[0]: not timed
     const char* err = mok::cuda::backward(pr, args, d.bws, st, &se);
     if (err) {
       std::printf("backward error: %s\n", err);
