@@ -8,6 +8,7 @@
 #   VARIANT_ARGS  benchmarks.run arguments of each variant
 #   PYTEST_K      pytest -k filter of the GPU suite (default: all of it; it
 #                 takes ~15 min, more than one device call)
+#   PYTEST_TO     seconds the pytest step may run (default 240)
 #   BENCH_ARGS    benchmarks.run arguments of the bench step
 set -uo pipefail
 out="${OUT:-/tmp/mok_out}"
@@ -26,7 +27,7 @@ if has variants; then
       ${VARIANT_ARGS:---shapes 4,1 --impls cuda,cuda-megakernel --passes fwd,fwd+bwd --iters 10}
   done
 fi
-has pytest && pytest_step 240 -x --durations=8 -k "${PYTEST_K:-}"
+has pytest && pytest_step "${PYTEST_TO:-240}" -x --durations=8 -k "${PYTEST_K:-}"
 has bench && step bench 300 python3 -m benchmarks.run --out "$out" --tag gpu --partial "$out/gpu_partial.json" \
   ${BENCH_ARGS:---shapes 1,2,3,4 --impls cuda,cuda-megakernel,xla,torch --passes fwd,fwd+bwd --sweep ''}
 echo "================ summary"

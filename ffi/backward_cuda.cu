@@ -3,21 +3,33 @@
 // Workspace layout (each region 256-byte aligned, in this order):
 //   tile_expert  int32[R / 128]
 //   part         fp32[R * ceil(F / 256)]   partial <gd, a> per row and 256-column tile
-//   xs           bf16[R, H]   gathered x rows
-//   dys          bf16[R, H]   gathered dy rows; reused for dxs after the wgrads
-//   aw           bf16[R, F]
+//   xs           bf16[R, H]   gathered x rows        (workspace placement only, see below)
+//   dys          bf16[R, H]   gathered dy rows; reused for dxs after the wgrads   (")
+//   aw           bf16[R, F]                                                       (")
 //   saw bf16[T, Fs], sdx bf16[T, H]   (Fs > 0 only)
-// Total ~= 4*R*H + 2*R*F + 4*R*ceil(F/256) + [Fs > 0] * (2*T*Fs + 2*T*H) + 4*R/128 bytes
 // (R = row_capacity = round_up(T*K + E*127, 128)). dg and du (and the shared
 // expert's) go to BackwardArgs::d_gate_rows etc., which the FFI call aliases
 // with the spent gate_pre/up_pre residuals: the SwiGLU-backward epilogue reads
 // each residual element once, in the warp that then overwrites it.
+//
+// Row placement. When the routed rows are small beside the weights
+// (R (H + F) <= E H F: Mixtral-like shapes, one rank's slice at high EP), the
+// row buffers live in the weight-gradient outputs before those are written,
+// so the step's peak holds little beyond the outputs and the residuals:
+//   dys, aw -> dW_gate's buffer; dW_down = aw^T dys first; then dxs -> dW_gate's
+//   buffer; combine; then, when H <= F, xs is gathered into dW_up's buffer for
+//   dW_gate = xs^T dg, and gathered again into the spent dg rows for
+//   dW_up = xs^T du (one extra gather of R H elements instead of R H of
+//   workspace); when H > F, xs stays in the workspace and the two wgrads share
+//   one launch. Otherwise (rows larger than the weights) everything above sits
+//   in the workspace and the three wgrads share one launch.
 #include "backward_cuda.h"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <initializer_list>
 
 #include "combine_row.cuh"
 #include "cuda_problem.h"
@@ -29,6 +41,8 @@ namespace {
 
 struct Layout {
   size_t tile_expert, part, xs, dys, aw, saw, sdx, total;
+  bool rows_in_outputs;  // dys, aw and dxs live in dW_gate's buffer (see the top of the file)
+  bool xs_in_workspace;  // else xs is gathered into dW_up's buffer, then into the spent dg rows
 };
 
 int64_t f_tiles(const Problem& p) { return (p.ffn + 255) / 256; }
@@ -42,9 +56,14 @@ Layout make_layout(const Problem& p) {
   const size_t T = static_cast<size_t>(p.tokens), Fs = static_cast<size_t>(p.shared_ffn);
   L.tile_expert = take(R / static_cast<size_t>(p.tile_rows) * sizeof(int32_t));
   L.part = take(R * static_cast<size_t>(f_tiles(p)) * sizeof(float));
-  L.xs = take(R * H * 2);
-  L.dys = take(R * H * 2);
-  L.aw = take(R * F * 2);
+  const size_t E = static_cast<size_t>(p.experts);
+  L.rows_in_outputs = R * (H + F) <= E * H * F;
+  L.xs_in_workspace = !L.rows_in_outputs || H > F;
+  if (L.xs_in_workspace) L.xs = take(R * H * 2);
+  if (!L.rows_in_outputs) {
+    L.dys = take(R * H * 2);
+    L.aw = take(R * F * 2);
+  }
   if (Fs > 0) {
     L.saw = take(T * Fs * 2);
     L.sdx = take(T * H * 2);
@@ -135,6 +154,8 @@ size_t backward_workspace_bytes(const Problem& problem) {
   return make_layout(problem).total;
 }
 
+bool backward_rows_in_outputs(const Problem& problem) { return make_layout(problem).rows_in_outputs; }
+
 const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, cudaStream_t stream,
                      const BackwardStageEvents* ev) {
   if (const char* e = unsupported_problem(p)) return e;
@@ -161,12 +182,13 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   int32_t* tile_expert = reinterpret_cast<int32_t*>(ws + L.tile_expert);
   float* part = reinterpret_cast<float*>(ws + L.part);
-  void* xs = ws + L.xs;
-  void* dys = ws + L.dys;
+  const int64_t R = p.row_capacity(), T = p.tokens, H = p.hidden, F = p.ffn, E = p.experts, Fs = p.shared_ffn;
   void* dg = a.d_gate_rows;  // may alias f.gate_pre (read before overwritten)
   void* du = a.d_up_rows;    // may alias f.up_pre
-  void* aw = ws + L.aw;
-  const int64_t R = p.row_capacity(), T = p.tokens, H = p.hidden, F = p.ffn, E = p.experts, Fs = p.shared_ffn;
+  uint8_t* dw_gate_buf = static_cast<uint8_t*>(a.dw_gate);
+  void* dys = L.rows_in_outputs ? dw_gate_buf : ws + L.dys;
+  void* aw = L.rows_in_outputs ? dw_gate_buf + static_cast<size_t>(R) * H * 2 : ws + L.aw;
+  void* xs = L.xs_in_workspace ? ws + L.xs : nullptr;  // else gathered late (step 6)
   const bool shared_rows = has_shared && T > 0;
 
   auto mark = [&](int i) -> bool { return ev == nullptr || cudaEventRecord(ev->ev[i], stream) == cudaSuccess; };
@@ -178,7 +200,8 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
     tile_expert_kernel<<<static_cast<unsigned>((tiles + 255) / 256), 256, 0, stream>>>(
         f.expert_offsets, static_cast<int>(E), tiles, tile_expert);
     if (cudaGetLastError() != cudaSuccess) return "mok cuda backward: tile_expert launch failed";
-    if (const char* e = detail::launch_dispatch(p, f.x, f.row_pair, f.expert_offsets, xs, sms, stream)) return e;
+    if (xs != nullptr)
+      if (const char* e = detail::launch_dispatch(p, f.x, f.row_pair, f.expert_offsets, xs, sms, stream)) return e;
     if (const char* e = detail::launch_dispatch(p, a.dy, f.row_pair, f.expert_offsets, dys, sms, stream)) return e;
   }
   if (!mark(1)) return "mok cuda backward: event record failed";
@@ -221,18 +244,21 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
   }
   if (!mark(2)) return "mok cuda backward: event record failed";
 
-  // 3. weight gradients (K = each expert's padded rows; padding rows are zero)
-  {
+  // 3. weight gradients (K = each expert's padded rows; padding rows are zero):
+  // all three here, or only dW_down when the rows live in dW_gate's buffer.
+  auto expert_wgrad = [&](std::initializer_list<WgradJob> jobs) -> const char* {
     WgradArgs w;
-    w.jobs = 3;
-    w.job[0] = WgradJob{xs, H, dg, F, a.dw_gate};
-    w.job[1] = WgradJob{xs, H, du, F, a.dw_up};
-    w.job[2] = WgradJob{aw, F, dys, H, a.dw_down};
+    for (const WgradJob& j : jobs) w.job[w.jobs++] = j;
     w.rows = R;
     w.groups = E;
     w.offsets = f.expert_offsets;
-    if (const char* e = launch_wgrad(w, sms, stream)) return e;
-  }
+    return launch_wgrad(w, sms, stream);
+  };
+  if (const char* e = L.rows_in_outputs
+                          ? expert_wgrad({WgradJob{aw, F, dys, H, a.dw_down}})
+                          : expert_wgrad({WgradJob{xs, H, dg, F, a.dw_gate}, WgradJob{xs, H, du, F, a.dw_up},
+                                          WgradJob{aw, F, dys, H, a.dw_down}}))
+    return e;
   if (shared_rows) {
     WgradArgs w;
     w.jobs = 3;
@@ -252,7 +278,7 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
   if (!mark(3)) return "mok cuda backward: event record failed";
 
   // 4. dxs = dg @ w_gate^T + du @ w_up^T  (into the dys buffer, no longer needed)
-  void* dxs = dys;
+  void* dxs = dys;  // dW_gate's buffer when the rows live there
   {
     DgradArgs g;
     g.a0 = dg;
@@ -291,6 +317,20 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
         static_cast<const uint4*>(dxs), shared_rows ? static_cast<const uint4*>(static_cast<void*>(ws + L.sdx)) : nullptr,
         part, static_cast<uint4*>(a.dx), a.d_topk_weights);
     if (cudaGetLastError() != cudaSuccess) return "mok cuda backward: combine launch failed";
+  }
+
+  // 6. the gate/up weight gradients when the rows lived in dW_gate's buffer
+  // (dxs is spent now)
+  if (L.rows_in_outputs) {
+    if (L.xs_in_workspace) {
+      if (const char* e = expert_wgrad({WgradJob{xs, H, dg, F, a.dw_gate}, WgradJob{xs, H, du, F, a.dw_up}})) return e;
+    } else {
+      // xs into dW_up's buffer for dW_gate, then into the spent dg rows (H <= F) for dW_up
+      if (const char* e = detail::launch_dispatch(p, f.x, f.row_pair, f.expert_offsets, a.dw_up, sms, stream)) return e;
+      if (const char* e = expert_wgrad({WgradJob{a.dw_up, H, dg, F, a.dw_gate}})) return e;
+      if (const char* e = detail::launch_dispatch(p, f.x, f.row_pair, f.expert_offsets, dg, sms, stream)) return e;
+      if (const char* e = expert_wgrad({WgradJob{dg, H, du, F, a.dw_up}})) return e;
+    }
   }
   if (!mark(5)) return "mok cuda backward: event record failed";
   return nullptr;

@@ -5,7 +5,9 @@
 //   dgrad-down: gd = dys @ w_down[e]^T with the SwiGLU-backward epilogue:
 //               dg, du, a_w = w * a (bf16) and per-256-column partial dots <gd, a>
 //   wgrad     : dW_gate[e] = xs_e^T dg_e, dW_up[e] = xs_e^T du_e,
-//               dW_down[e] = a_w,e^T dys_e  (one launch; K = the expert's rows)
+//               dW_down[e] = a_w,e^T dys_e  (one launch; K = the expert's rows;
+//               when the row buffers live in the gradient outputs, dW_down
+//               here and the other two after combine: backward_cuda.cu)
 //   dgrad-gu  : dxs = dg @ w_gate[e]^T + du @ w_up[e]^T (one accumulator, K = 2F)
 //   combine   : dx[t] = sum_k dxs[pair_row[t,k]] (+ shared dx), fixed k order;
 //               d_topk_weights[p] = sum of the row's partial dots in tile order
@@ -27,9 +29,14 @@ namespace mok::cuda {
 // Bytes of device scratch `backward` needs (0 = unsupported problem).
 size_t backward_workspace_bytes(const Problem& problem);
 
+// Whether the gathered rows (dys, a_w, dxs, and xs when H <= F) live in the
+// weight-gradient outputs rather than the workspace (R (H + F) <= E H F).
+bool backward_rows_in_outputs(const Problem& problem);
+
 // Optional per-stage timing: ev[0] start, ev[1] after prep+gathers, ev[2] after
-// the dgrad-down GEMMs, ev[3] after the wgrad GEMMs, ev[4] after the gate/up
-// dgrad GEMMs, ev[5] after combine.
+// the dgrad-down GEMMs, ev[3] after the wgrad GEMMs (only dW_down's when
+// backward_rows_in_outputs), ev[4] after the gate/up dgrad GEMMs, ev[5] after
+// combine (and the late gate/up wgrads).
 struct BackwardStageEvents {
   cudaEvent_t ev[6];
 };

@@ -594,9 +594,10 @@ static bool check_case(const Case& c, uint64_t seed, cudaStream_t st) {
   double worst_cos = std::min({edx.cosv(), edtw.cosv(), eg.cosv(), eu.cosv(), ed.cosv()});
   if (Fs > 0) worst_cos = std::min({worst_cos, esg.cosv(), esu.cosv(), esd.cosv()});
   std::printf(
-      "  %-12s T=%-5lld H=%-4lld F=%-4lld E=%-3lld K=%-2lld Fs=%-4lld empty=%-2d | relL2 dx %.1e dtw %.1e dWg %.1e dWu %.1e "
+      "  %-12s T=%-5lld H=%-4lld F=%-4lld E=%-3lld K=%-2lld Fs=%-4lld empty=%-2d rows in %-9s | relL2 dx %.1e dtw %.1e dWg %.1e dWu %.1e "
       "dWd %.1e dWsg %.1e dWsu %.1e dWsd %.1e | min cos %.7f | zeros %s determ %s => %s\n",
-      c.name, (long long)T, (long long)H, (long long)F, (long long)E, (long long)K, (long long)Fs, empty, edx.rel(),
+      c.name, (long long)T, (long long)H, (long long)F, (long long)E, (long long)K, (long long)Fs, empty,
+      mok::cuda::backward_rows_in_outputs(pr) ? "outputs" : "workspace", edx.rel(),
       edtw.rel(), eg.rel(), eu.rel(), ed.rel(), Fs ? esg.rel() : 0.0, Fs ? esu.rel() : 0.0, Fs ? esd.rel() : 0.0,
       worst_cos, zeros_ok ? "ok" : "BAD", det ? "ok" : "BAD", ok ? "PASS" : "FAIL");
   std::fflush(stdout);
@@ -607,9 +608,10 @@ static bool check_case(const Case& c, uint64_t seed, cudaStream_t st) {
 static int run_timing(int iters, cudaStream_t st, bool with_shared) {
   Case c{"bench", 32768, 2048, 768, 128, 8, with_shared ? 2048 : 0, Routing::kUniform, 0.0, true};
   const Problem pr = make_problem(c);
-  std::printf("timing shape T=%lld H=%lld F=%lld E=%lld K=%lld Fs=%lld  R=%lld  bwd workspace=%.1f MiB\n",
+  std::printf("timing shape T=%lld H=%lld F=%lld E=%lld K=%lld Fs=%lld  R=%lld  bwd workspace=%.1f MiB, rows in %s\n",
               (long long)c.T, (long long)c.H, (long long)c.F, (long long)c.E, (long long)c.K, (long long)c.Fs,
-              (long long)pr.row_capacity(), mok::cuda::backward_workspace_bytes(pr) / 1048576.0);
+              (long long)pr.row_capacity(), mok::cuda::backward_workspace_bytes(pr) / 1048576.0,
+              mok::cuda::backward_rows_in_outputs(pr) ? "outputs" : "workspace");
   Host h;
   make_inputs(c, 1234, h);
   Dev d;
@@ -700,6 +702,9 @@ int main(int argc, char** argv) {
         {"bad_ids", 300, 256, 192, 8, 2, 64, Routing::kBadIds, 0.2, false},
         {"tiny", 1, 64, 64, 3, 2, 64, Routing::kUniform, 0.0, false},
         {"all_masked", 64, 128, 64, 4, 2, 64, Routing::kUniform, 1.01, false},
+        // rows small beside the weights: the row buffers live in the gradient outputs
+        {"dw_rows", 150, 512, 768, 4, 2, 0, Routing::kUniform, 0.1, false},          // H <= F: xs regathered
+        {"dw_rows_hf", 150, 768, 512, 4, 2, 96, Routing::kSubset, 0.0, false},      // H > F: xs in workspace
     };
     if (!small) {
       cases.push_back({"bigger", 1500, 512, 384, 16, 4, 256, Routing::kUniform, 0.05, false});

@@ -3,6 +3,7 @@
 # timing (backward + forward), compute-sanitizer, Python build + GPU pytest.
 # Usage (GPU host, repo root): bash tests/cuda/gpu_session_bwd.sh [steps...]
 #   steps default: build sass corr timing fwd memcheck racecheck pytest
+#   MEMCHECK_CASE, RACECHECK_CASE: harness cases of the sanitizer steps (odd_dims, tiny)
 set -uo pipefail
 out="${OUT:-/tmp/mok_bwd_out}"
 mkdir -p "$out"
@@ -24,8 +25,8 @@ has corr && step corr 90 $B/backward_standalone --correctness
 has timing && step timing 90 $B/backward_standalone --timing --iters 30
 has timing_shared && step timing_sh 180 $B/backward_standalone --timing-shared --iters 20
 has fwd && step fwd 60 $B/forward_standalone --timing --iters 20
-has memcheck && step memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 $B/backward_standalone --case odd_dims
-has racecheck && step racecheck 60 compute-sanitizer --tool racecheck --error-exitcode 9 $B/backward_standalone --case tiny
+has memcheck && step memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 $B/backward_standalone --case "${MEMCHECK_CASE:-odd_dims}"
+has racecheck && step racecheck 60 compute-sanitizer --tool racecheck --error-exitcode 9 $B/backward_standalone --case "${RACECHECK_CASE:-tiny}"
 has pytest && pytest_step 130 -x -k "backward or gradients"
 echo "================ summary"
 cat "$out/gpu.txt" 2>/dev/null
