@@ -1,7 +1,9 @@
 """GPU tests of the CUDA backend (`pytest -m gpu` on an H100/H200 host).
 
 The float64 NumPy reference judges small shapes; for the benchmark shapes at
-reduced T the judge is the XLA reference on float32-upcast inputs. Output
+reduced T the judge is the XLA reference on float32-upcast inputs, and the
+gradients are compared on the device (helpers.assert_close_on_device,
+checked against the float64 metrics in tests/test_helpers.py). Output
 poisoning and the schedule tensors are checked by tests/cuda/forward_standalone.cu.
 """
 
@@ -13,7 +15,8 @@ import pytest
 import mok_jax
 from mok_jax import _ffi
 import numpy_reference as npref
-from helpers import assert_close, curve_gap, fresh_key, load_train_example, make_problem
+from helpers import (assert_close, assert_close_on_device, bitwise_equal, curve_gap, fresh_key,
+                     load_train_example, make_problem)
 
 pytestmark = pytest.mark.gpu
 BF16 = jnp.bfloat16
@@ -158,9 +161,8 @@ def _check_cuda_grads(x, ids, w, wg, wu, wd, shared=None, mask=None):
         pairs += list(zip(["dws_gate", "dws_up", "dws_down"], got[5], got2[5], want[5]))
     for name, g, g2, r in pairs:
         assert g.dtype == (jnp.float32 if name == "d_topk_weights" else BF16), name
-        assert_close(name, g, np.asarray(r, np.float64), BF16)
-        a, b = np.asarray(g), np.asarray(g2)
-        assert a.tobytes() == b.tobytes(), f"{name}: not bitwise reproducible"
+        assert_close_on_device(name, g, r, BF16)
+        assert bitwise_equal(g, g2), f"{name}: not bitwise reproducible"
     return got
 
 
