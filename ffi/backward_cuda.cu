@@ -96,16 +96,6 @@ __global__ void tile_expert_kernel(const int32_t* __restrict__ offsets, int E, i
 constexpr int kCombThreads = 256;
 constexpr int kMaxK = 64;
 
-__device__ __forceinline__ void acc8(float (&a)[8], const uint4& v) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    a[2 * i] += f.x;
-    a[2 * i + 1] += f.y;
-  }
-}
-
 // dx[t] = bf16(sum_{k in order} dxs[pair_row[t,k]] + sdx[t]) (fp32), 0 for masked
 // tokens; d_topk_weights[t,k] = sum_{j in order} part[row * nft + j], 0 if unrouted.
 __global__ void __launch_bounds__(kCombThreads) combine_bwd(int64_t T, int64_t vec_per_row, int K, int nft,
@@ -139,9 +129,9 @@ __global__ void __launch_bounds__(kCombThreads) combine_bwd(int64_t T, int64_t v
       for (int i = 0; i < 8; ++i) a[i] = 0.f;
       for (int k = 0; k < K; ++k) {
         const int32_t r = rows[k];
-        if (r >= 0) acc8(a, __ldg(dxs + int64_t(r) * vec_per_row + c));
+        if (r >= 0) combine_acc8(a, __ldg(dxs + int64_t(r) * vec_per_row + c), 1.0f);  // fma(1, v, a) == a + v
       }
-      if (sdx) acc8(a, __ldg(sdx + t * vec_per_row + c));
+      if (sdx) combine_acc8(a, __ldg(sdx + t * vec_per_row + c), 1.0f);
       drow[c] = combine_pack8(a);
     }
   }

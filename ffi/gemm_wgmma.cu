@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "cuda_problem.h"
 #include "cuda_ptx.cuh"
 #include "gemm_tile.cuh"
 
@@ -34,14 +35,18 @@ PFN_cuTensorMapEncodeTiled_v12000 get_encoder() {
   return g_encode;
 }
 
-bool make_map_a(CUtensorMap* m, const void* ptr, int64_t rows, int64_t k) {
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(k) * 2};
-  cuuint32_t box[2] = {tile::kBK, tile::kBM};
+bool make_map_2d(CUtensorMap* m, const void* ptr, int64_t rows, int64_t cols, uint32_t box_cols, uint32_t box_rows) {
+  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+  cuuint32_t box[2] = {box_cols, box_rows};
   cuuint32_t estr[2] = {1, 1};
   return get_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool make_map_a(CUtensorMap* m, const void* ptr, int64_t rows, int64_t k) {
+  return make_map_2d(m, ptr, rows, k, tile::kBK, tile::kBM);
 }
 
 bool make_map_b(CUtensorMap* m, const void* ptr, int64_t groups, int64_t k, int64_t n) {
@@ -244,8 +249,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::cluster_sync();
   }
 }
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // Cluster size of the GEMM launches: 2 (B multicast across CTA pairs: half the
 // L2 reads of the weights; on the H200 level with single CTAs at shape 1 and

@@ -56,10 +56,12 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& args, i
                                 cudaStream_t stream);
 
 // Tensor maps of the tile (gemm_tile.cuh), 128-byte swizzle, bf16:
+// 2-D map   [rows, cols] row-major, box box_cols x box_rows (the backward's maps);
 // rows map  [rows, k] row-major, box 64 (K) x 128 (rows);
 // weights map [groups, k, n] row-major, box 64 (N) x 64 (K) x 1.
 // Return false when the driver's encoder is unavailable or rejects the map.
 PFN_cuTensorMapEncodeTiled_v12000 get_encoder();
+bool make_map_2d(CUtensorMap* m, const void* ptr, int64_t rows, int64_t cols, uint32_t box_cols, uint32_t box_rows);
 bool make_map_a(CUtensorMap* m, const void* ptr, int64_t rows, int64_t k);
 bool make_map_b(CUtensorMap* m, const void* ptr, int64_t groups, int64_t k, int64_t n);
 

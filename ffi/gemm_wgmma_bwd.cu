@@ -16,6 +16,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "cuda_problem.h"
 #include "cuda_ptx.cuh"
 #include "gemm_tile.cuh"
 #include "gemm_wgmma.cuh"
@@ -368,17 +369,6 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
 // The driver entry point is fetched once, in gemm_wgmma.cu.
 PFN_cuTensorMapEncodeTiled_v12000 encoder() { return get_encoder(); }
 
-// 2-D [rows, cols] bf16 row-major, box {box_c cols, box_r rows}.
-bool map_2d(CUtensorMap* m, const void* ptr, int64_t rows, int64_t cols, uint32_t box_c, uint32_t box_r) {
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
-  cuuint32_t box[2] = {box_c, box_r};
-  cuuint32_t estr[2] = {1, 1};
-  return encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
-                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 // 3-D [groups, n, k] bf16 (K-major B), box {64 k, 256 n, 1}.
 bool map_bk(CUtensorMap* m, const void* ptr, int64_t groups, int64_t n, int64_t k) {
   cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(n), static_cast<cuuint64_t>(groups)};
@@ -390,7 +380,6 @@ bool map_bk(CUtensorMap* m, const void* ptr, int64_t groups, int64_t n, int64_t 
                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-bool al16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 constexpr int64_t kMaxInt = (int64_t(1) << 31) - 1024;
 
 template <int kMode>
@@ -415,13 +404,13 @@ const char* dgrad_common(const DgradArgs& a, bool sum2, Maps& maps, BParams& p) 
   if (a.k <= 0 || a.n <= 0 || a.k % 8 != 0 || a.n % 8 != 0) return "mok cuda bwd gemm: k and n must be positive multiples of 8";
   if (a.m_rows > kMaxInt || a.k > kMaxInt || a.n > kMaxInt || a.groups > kMaxInt || a.groups <= 0)
     return "mok cuda bwd gemm: dimension too large";
-  if (!al16(a.a0) || !al16(a.b0) || !al16(a.out0) || (sum2 && (!al16(a.a1) || !al16(a.b1))))
+  if (!aligned16(a.a0) || !aligned16(a.b0) || !aligned16(a.out0) || (sum2 && (!aligned16(a.a1) || !aligned16(a.b1))))
     return "mok cuda bwd gemm: pointers must be 16-byte aligned";
   if (encoder() == nullptr) return "mok cuda bwd gemm: cuTensorMapEncodeTiled unavailable";
   std::memset(&maps, 0, sizeof(maps));
-  if (!map_2d(&maps.m[0], a.a0, a.m_rows, a.k, kBK, kBM) || !map_bk(&maps.m[1], a.b0, a.groups, a.n, a.k))
+  if (!make_map_2d(&maps.m[0], a.a0, a.m_rows, a.k, kBK, kBM) || !map_bk(&maps.m[1], a.b0, a.groups, a.n, a.k))
     return "mok cuda bwd gemm: tensor map encode failed";
-  if (sum2 && (!map_2d(&maps.m[2], a.a1, a.m_rows, a.k, kBK, kBM) || !map_bk(&maps.m[3], a.b1, a.groups, a.n, a.k)))
+  if (sum2 && (!make_map_2d(&maps.m[2], a.a1, a.m_rows, a.k, kBK, kBM) || !map_bk(&maps.m[3], a.b1, a.groups, a.n, a.k)))
     return "mok cuda bwd gemm: tensor map encode failed";
   std::memset(&p, 0, sizeof(p));
   const int64_t kb = (a.k + kBK - 1) / kBK;
@@ -446,7 +435,7 @@ const char* launch_dgrad_swiglu_bwd(const DgradArgs& a, int num_sms, cudaStream_
   Maps maps;
   BParams p;
   if (const char* e = dgrad_common(a, false, maps, p)) return e[0] == 'e' ? nullptr : e;
-  if (!al16(a.out1) || !al16(a.out2) || a.gate_pre == nullptr || a.up_pre == nullptr ||
+  if (!aligned16(a.out1) || !aligned16(a.out2) || a.gate_pre == nullptr || a.up_pre == nullptr ||
       (a.row_pair != nullptr && a.pair_weight == nullptr))
     return "mok cuda bwd gemm: bad SwiGLU-backward arguments";
   p.gate_pre = static_cast<const __nv_bfloat16*>(a.gate_pre);
@@ -481,8 +470,8 @@ const char* launch_wgrad(const WgradArgs& a, int num_sms, cudaStream_t stream) {
     const WgradJob& jb = a.job[j];
     if (jb.m <= 0 || jb.n <= 0 || jb.m % 8 != 0 || jb.n % 8 != 0 || jb.m > kMaxInt || jb.n > kMaxInt)
       return "mok cuda wgrad: m and n must be positive multiples of 8";
-    if (!al16(jb.a) || !al16(jb.b) || !al16(jb.out)) return "mok cuda wgrad: pointers must be 16-byte aligned";
-    if (!map_2d(&maps.m[2 * j], jb.a, a.rows, jb.m, 64, 64) || !map_2d(&maps.m[2 * j + 1], jb.b, a.rows, jb.n, 64, 64))
+    if (!aligned16(jb.a) || !aligned16(jb.b) || !aligned16(jb.out)) return "mok cuda wgrad: pointers must be 16-byte aligned";
+    if (!make_map_2d(&maps.m[2 * j], jb.a, a.rows, jb.m, 64, 64) || !make_map_2d(&maps.m[2 * j + 1], jb.b, a.rows, jb.n, 64, 64))
       return "mok cuda wgrad: tensor map encode failed";
     JobP& q = p.job[j];
     q.m = static_cast<int>(jb.m);
