@@ -218,10 +218,13 @@ def test_nnx_module_takes_config():
     assert m1.megakernel == CFG and m0.megakernel is None
     x = jax.random.normal(fresh_key(), (3, 11, H))
     y0, y1 = m0(x), m1(x)
-    y2 = nnx.jit(lambda m, x: m(x))(m1, x)
+    # jitted against jitted: XLA may fuse the router math of one jit differently
+    # from op-by-op execution (1-ulp differences), so only like compares with like
+    jit_call = nnx.jit(lambda m, x: m(x))
+    y2, y2_0 = jit_call(m1, x), jit_call(m0, x)
     assert float(jnp.max(jnp.abs(y0))) > 0
     np.testing.assert_array_equal(y1, y0)
-    np.testing.assert_array_equal(y2, y0)
+    np.testing.assert_array_equal(y2, y2_0)
     with pytest.raises(TypeError, match="megakernel"):
         mnnx.MoE(**args, megakernel={"ring_rows": 256}, rngs=nnx.Rngs(0))
 
@@ -236,10 +239,10 @@ def test_linen_module_takes_config():
     variables = l0.init(jax.random.key(3), x)
     y0 = l0.apply(variables, x)
     y1 = l1.apply(variables, x)
-    y2 = jax.jit(l1.apply)(variables, x)
+    y2, y2_0 = jax.jit(l1.apply)(variables, x), jax.jit(l0.apply)(variables, x)  # like with like
     assert float(jnp.max(jnp.abs(y0))) > 0
     np.testing.assert_array_equal(y1, y0)
-    np.testing.assert_array_equal(y2, y0)
+    np.testing.assert_array_equal(y2, y2_0)
     with pytest.raises(TypeError, match="megakernel"):
         mlinen.MoE(**args, megakernel=256).init(jax.random.key(0), x)
 
