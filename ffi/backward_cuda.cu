@@ -181,6 +181,10 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
   void* xs = L.xs_in_workspace ? ws + L.xs : nullptr;  // else gathered late (step 6)
   const bool shared_rows = has_shared && T > 0;
 
+  // The token rows of src (x or dy) gathered into expert-major padded rows (padding rows zero).
+  auto gather_rows = [&](const void* src, void* dst) {
+    return detail::launch_dispatch(p, src, f.row_pair, f.expert_offsets, dst, sms, stream);
+  };
   auto mark = [&](int i) -> bool { return ev == nullptr || cudaEventRecord(ev->ev[i], stream) == cudaSuccess; };
   if (!mark(0)) return "mok cuda backward: event record failed";
 
@@ -190,9 +194,8 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
     tile_expert_kernel<<<static_cast<unsigned>((tiles + 255) / 256), 256, 0, stream>>>(
         f.expert_offsets, static_cast<int>(E), tiles, tile_expert);
     if (cudaGetLastError() != cudaSuccess) return "mok cuda backward: tile_expert launch failed";
-    if (xs != nullptr)
-      if (const char* e = detail::launch_dispatch(p, f.x, f.row_pair, f.expert_offsets, xs, sms, stream)) return e;
-    if (const char* e = detail::launch_dispatch(p, a.dy, f.row_pair, f.expert_offsets, dys, sms, stream)) return e;
+    if (const char* e = xs != nullptr ? gather_rows(f.x, xs) : nullptr) return e;
+    if (const char* e = gather_rows(a.dy, dys)) return e;
   }
   if (!mark(1)) return "mok cuda backward: event record failed";
 
@@ -316,9 +319,9 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
       if (const char* e = expert_wgrad({WgradJob{xs, H, dg, F, a.dw_gate}, WgradJob{xs, H, du, F, a.dw_up}})) return e;
     } else {
       // xs into dW_up's buffer for dW_gate, then into the spent dg rows (H <= F) for dW_up
-      if (const char* e = detail::launch_dispatch(p, f.x, f.row_pair, f.expert_offsets, a.dw_up, sms, stream)) return e;
+      if (const char* e = gather_rows(f.x, a.dw_up)) return e;
       if (const char* e = expert_wgrad({WgradJob{a.dw_up, H, dg, F, a.dw_gate}})) return e;
-      if (const char* e = detail::launch_dispatch(p, f.x, f.row_pair, f.expert_offsets, dg, sms, stream)) return e;
+      if (const char* e = gather_rows(f.x, dg)) return e;
       if (const char* e = expert_wgrad({WgradJob{dg, H, du, F, a.dw_up}})) return e;
     }
   }
