@@ -192,6 +192,27 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
     for (int u = blockIdx.x; u < p.units; u += gridDim.x) {
       const Unit x = decode<kMode>(p, u);
       if (x.skip) continue;
+      // Which of this thread's two rows are live, and their routing weights: read
+      // before the main loop so the dependent row_pair -> pair_weight loads overlap it.
+      const int wrow0 = x.mt * kBM + cw * 64 + warp * 16;
+      const int row0 = wrow0 + (lane >> 2);
+      bool keep[2];
+      float wrow[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + h * 8;
+        keep[h] = row < x.m;
+        wrow[h] = 1.0f;
+        if (kMode == kSwiGLU) {
+          if (p.row_pair != nullptr) {
+            const int pr = keep[h] ? p.row_pair[row] : -1;
+            keep[h] = pr >= 0;
+            wrow[h] = keep[h] ? p.pair_weight[pr] : 0.0f;
+          } else if (p.row_mask != nullptr && keep[h]) {
+            keep[h] = p.row_mask[row] != 0;
+          }
+        }
+      }
       if (x.kb_count == 0) {
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
@@ -229,31 +250,12 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
       for (int i = 0; i < 128; ++i) ptx::fence_operand(acc[i]);
 
       // ---------------------------------------------------------- epilogue
-      const int wrow0 = x.mt * kBM + cw * 64 + warp * 16;
-      const int row0 = wrow0 + (lane >> 2);
       const int colq = (lane & 3) * 2;
       const int n_base = x.nt * kBN;
       __nv_bfloat16* out0 = p.out0;
       if (kMode == kWgrad) {
         const JobP& jb = x.job == 0 ? p.job[0] : (x.job == 1 ? p.job[1] : p.job[2]);
         out0 = jb.out + static_cast<size_t>(x.grp) * x.m * x.n;
-      }
-      bool keep[2];
-      float wrow[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row0 + h * 8;
-        keep[h] = row < x.m;
-        wrow[h] = 1.0f;
-        if (kMode == kSwiGLU) {
-          if (p.row_pair != nullptr) {
-            const int pr = keep[h] ? p.row_pair[row] : -1;
-            keep[h] = pr >= 0;
-            wrow[h] = keep[h] ? p.pair_weight[pr] : 0.0f;
-          } else if (p.row_mask != nullptr && keep[h]) {
-            keep[h] = p.row_mask[row] != 0;
-          }
-        }
       }
       auto put = [&](int gg, int h, uint32_t v) {
         *reinterpret_cast<uint32_t*>(stg + ((lane >> 2) + h * 8) * kStgPitch + gg * 16 + (lane & 3) * 4) = v;
@@ -272,10 +274,42 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
       };
       if (kMode == kSwiGLU) {
         float dot[2] = {0.f, 0.f};
-        // 8 chunks of 32 columns: dg -> staging cols [0, 32), du -> [32, 64), flushed
-        // together; then w*a -> [0, 32).
+        // 8 chunks of 32 columns. The warp's 16 x 32 gate and up values of a chunk
+        // arrive through the staging buffer: coalesced 16-byte loads (gate -> staging
+        // cols [0, 32), up -> [32, 64), the flush pattern), issued one chunk ahead
+        // so their latency hides behind the previous chunk's math; each thread then
+        // reads its fragment's values where it later puts dg and du (same thread,
+        // same address: no barrier between). dg and du are flushed together; then
+        // w*a -> [0, 32). (Fragment-order 4-byte loads straight from global were
+        // half-sector, latency-exposed and made this epilogue the backward's slowest
+        // stage: ncu showed 51 % of the warp cycles in L1TEX scoreboard stalls.)
+        uint4 gu[4];
+        auto load_gu = [&](int ch) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int idx = lane + 32 * i;
+            const int r = idx >> 3, c = idx & 7;
+            const int row = wrow0 + r, col = n_base + ch * 32 + (c & 3) * 8;
+            gu[i] = make_uint4(0u, 0u, 0u, 0u);
+            if (row < x.m && col < x.n)
+              gu[i] = __ldg(reinterpret_cast<const uint4*>((c < 4 ? p.gate_pre : p.up_pre) +
+                                                           static_cast<size_t>(row) * x.n + col));
+          }
+        };
+        auto get = [&](int gg, int h) {
+          return *reinterpret_cast<const __nv_bfloat162*>(stg + ((lane >> 2) + h * 8) * kStgPitch + gg * 16 +
+                                                          (lane & 3) * 4);
+        };
+        load_gu(0);
 #pragma unroll
         for (int ch = 0; ch < 8; ++ch) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int idx = lane + 32 * i;
+            *reinterpret_cast<uint4*>(stg + (idx >> 3) * kStgPitch + (idx & 7) * 16) = gu[i];
+          }
+          __syncwarp();
+          if (ch + 1 < 8) load_gu(ch + 1);
           uint32_t pa[4][2];
 #pragma unroll
           for (int gg = 0; gg < 4; ++gg) {
@@ -283,15 +317,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const int i = (ch * 4 + gg) * 4 + h * 2;
-              const int row = row0 + h * 8;
-              float g2[2] = {0.f, 0.f}, u2[2] = {0.f, 0.f};
               const bool live = keep[h] && col < x.n;
-              if (live) {
-                const size_t off = static_cast<size_t>(row) * x.n + col;
-                const float2 gf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p.gate_pre + off));
-                const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p.up_pre + off));
-                g2[0] = gf.x, g2[1] = gf.y, u2[0] = uf.x, u2[1] = uf.y;
-              }
+              const float2 gf = __bfloat1622float2(get(gg, h));
+              const float2 uf = __bfloat1622float2(get(4 + gg, h));
+              const float g2[2] = {gf.x, gf.y}, u2[2] = {uf.x, uf.y};
               float dg[2], du[2], aw[2];
 #pragma unroll
               for (int c = 0; c < 2; ++c) {
