@@ -75,6 +75,38 @@ size_t forward_workspace_flags_offset(const Problem& problem, const MegakernelCo
   return L.flags;
 }
 
+namespace detail {
+
+const char* launch_shared_expert(const Problem& p, const void* x, const uint8_t* token_mask, const void* ws_gate,
+                                 const void* ws_up, const void* ws_down, void* shared_gate_pre, void* shared_up_pre,
+                                 void* shared_act, void* shared_out, int sms, cudaStream_t stream) {
+  if (p.shared_ffn <= 0 || p.tokens <= 0) return nullptr;
+  GroupedGemmArgs g;
+  g.a = x;
+  g.m_rows = p.tokens;
+  g.k = p.hidden;
+  g.b0 = ws_gate;
+  g.b1 = ws_up;
+  g.groups = 1;
+  g.n = p.shared_ffn;
+  g.row_mask = token_mask;
+  g.out0 = shared_gate_pre;
+  g.out1 = shared_up_pre;
+  g.out2 = shared_act;
+  if (const char* e = launch_grouped_gemm(GemmEpilogue::kGateUpSwiGLU, g, sms, stream)) return e;
+  GroupedGemmArgs d;
+  d.a = shared_act;
+  d.m_rows = p.tokens;
+  d.k = p.shared_ffn;
+  d.b0 = ws_down;
+  d.groups = 1;
+  d.n = p.hidden;
+  d.out0 = shared_out;
+  return launch_grouped_gemm(GemmEpilogue::kStore, d, sms, stream);
+}
+
+}  // namespace detail
+
 const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cudaStream_t stream,
                     const ForwardStageEvents* ev, const MegakernelConfig& cfg) {
   if (const char* e = unsupported_problem(p)) return e;
@@ -114,30 +146,11 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
   if (!mark(1)) return "mok cuda forward: event record failed";
 
   // 2. the shared expert (Fs > 0): staged GEMMs over all T tokens
-  if (has_shared && p.tokens > 0) {
-    GroupedGemmArgs g;
-    g.a = a.x;
-    g.m_rows = p.tokens;
-    g.k = p.hidden;
-    g.b0 = a.ws_gate;
-    g.b1 = a.ws_up;
-    g.groups = 1;
-    g.n = p.shared_ffn;
-    g.row_mask = a.token_mask;
-    g.out0 = a.shared_gate_pre;
-    g.out1 = a.shared_up_pre;
-    g.out2 = shared_act;
-    if (const char* e = launch_grouped_gemm(GemmEpilogue::kGateUpSwiGLU, g, sms, stream)) return e;
-    GroupedGemmArgs d;
-    d.a = shared_act;
-    d.m_rows = p.tokens;
-    d.k = p.shared_ffn;
-    d.b0 = a.ws_down;
-    d.groups = 1;
-    d.n = p.hidden;
-    d.out0 = shared_out;
-    if (const char* e = launch_grouped_gemm(GemmEpilogue::kStore, d, sms, stream)) return e;
-  }
+  if (has_shared)
+    if (const char* e = detail::launch_shared_expert(p, a.x, a.token_mask, a.ws_gate, a.ws_up, a.ws_down,
+                                                     a.shared_gate_pre, a.shared_up_pre, shared_act, shared_out, sms,
+                                                     stream))
+      return e;
   void* out = xg;  // the routed down output
 
   if (L.persistent) {

@@ -52,9 +52,15 @@ namespace detail {
 int64_t schedule_slots(const Problem& pr);
 const char* launch_schedule(const Problem& pr, const int32_t* topk_ids, const uint8_t* token_mask,
                             int32_t* expert_offsets, int32_t* row_pair, int32_t* pair_row, int32_t* hist,
-                            int32_t* counts, int32_t* tile_expert, int32_t* flags, cudaStream_t stream);
+                            int32_t* counts, int32_t* tile_expert, int32_t* flags, cudaStream_t stream,
+                            int expert_base = 0, int all_experts = 0);  // ids outside [expert_base,
+                            // expert_base + pr.experts) of [0, all_experts or pr.experts) are not routed here
 const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row_pair, const int32_t* expert_offsets,
                             void* xg, int num_sms, cudaStream_t stream);
+// The shared expert (no-op when Fs == 0): gate/up + SwiGLU and down GEMMs over all T tokens.
+const char* launch_shared_expert(const Problem& p, const void* x, const uint8_t* token_mask, const void* ws_gate,
+                                 const void* ws_up, const void* ws_down, void* shared_gate_pre, void* shared_up_pre,
+                                 void* shared_act, void* shared_out, int sms, cudaStream_t stream);
 const char* launch_combine(const Problem& pr, const uint8_t* token_mask, const int32_t* pair_row,
                            const float* topk_weights, const void* out, const void* shared_out, void* y, int num_sms,
                            cudaStream_t stream);

@@ -30,23 +30,33 @@ constexpr int kPairsPerWarp = 512;
 constexpr int kPairsPerBlock = kWarps * kPairsPerWarp;
 constexpr int kRounds = kPairsPerWarp / 32;
 
-// Expert of pair p, or -1 when the pair is not routed (masked token or bad id).
+// The experts this schedule places: global ids [base, base + E) of all_experts
+// (base = 0, all_experts = E at EP = 1; one rank's slice under the peer
+// dispatch, which schedules every rank's pairs for its own experts).
+struct ExpertWindow {
+  int base;
+  int all_experts;
+};
+
+// Local expert (id - base) of pair p, or -1 when the pair is not routed here
+// (masked token, bad id, or another rank's expert).
 __device__ __forceinline__ int pair_expert(const int32_t* __restrict__ ids, const uint8_t* __restrict__ mask,
-                                           int64_t p, int64_t P, int K, int E, int32_t* flags) {
+                                           int64_t p, int64_t P, int K, int E, ExpertWindow w, int32_t* flags) {
   if (p >= P) return -1;
   const int64_t t = p / K;
   if (mask[t] == 0) return -1;
   const int e = ids[p];
-  if (e < 0 || e >= E) {
+  if (e < 0 || e >= w.all_experts) {
     atomicOr(flags, 1);
     return -1;
   }
-  return e;
+  const int local = e - w.base;
+  return (local >= 0 && local < E) ? local : -1;
 }
 
 __global__ void schedule_count(const int32_t* __restrict__ ids, const uint8_t* __restrict__ mask, int64_t P,
-                               int K, int E, int64_t R, int32_t* __restrict__ hist, int32_t* __restrict__ row_pair,
-                               int32_t* flags) {
+                               int K, int E, ExpertWindow win, int64_t R, int32_t* __restrict__ hist,
+                               int32_t* __restrict__ row_pair, int32_t* flags) {
   extern __shared__ int32_t wcnt[];  // [kWarps][E]
   for (int i = threadIdx.x; i < kWarps * E; i += blockDim.x) wcnt[i] = 0;
   // row_pair = -1 everywhere (the place kernel, launched later, fills real rows).
@@ -58,7 +68,7 @@ __global__ void schedule_count(const int32_t* __restrict__ ids, const uint8_t* _
   int32_t* my = wcnt + warp * E;
   for (int r = 0; r < kRounds; ++r) {
     const int64_t p = base + r * 32 + lane;
-    const int e = pair_expert(ids, mask, p, P, K, E, flags);
+    const int e = pair_expert(ids, mask, p, P, K, E, win, flags);
     const unsigned same = __match_any_sync(0xffffffffu, e);
     if (e >= 0 && lane == __ffs(same) - 1) my[e] += __popc(same);
     __syncwarp();
@@ -134,7 +144,8 @@ __global__ void __launch_bounds__(kOffThreads) schedule_offsets(const int32_t* _
 }
 
 __global__ void schedule_place(const int32_t* __restrict__ ids, const uint8_t* __restrict__ mask, int64_t P, int K,
-                               int E, const int32_t* __restrict__ hist, const int32_t* __restrict__ expert_offsets,
+                               int E, ExpertWindow win, const int32_t* __restrict__ hist,
+                               const int32_t* __restrict__ expert_offsets,
                                int32_t* __restrict__ pair_row, int32_t* __restrict__ row_pair, int32_t* flags) {
   extern __shared__ int32_t wrun[];  // [kWarps][E] next row of each expert for each warp
   const int64_t slot0 = int64_t(blockIdx.x) * kWarps;
@@ -148,7 +159,7 @@ __global__ void schedule_place(const int32_t* __restrict__ ids, const uint8_t* _
   for (int r = 0; r < kRounds; ++r) {
     const int64_t p = base + r * 32 + lane;
     // (a bad id raises flags again here: same bit, harmless)
-    const int e = pair_expert(ids, mask, p, P, K, E, flags);
+    const int e = pair_expert(ids, mask, p, P, K, E, win, flags);
     const unsigned same = __match_any_sync(0xffffffffu, e);
     int32_t row = -1;
     if (e >= 0) row = my[e] + __popc(same & lt);
@@ -171,12 +182,15 @@ int64_t schedule_slots(const Problem& pr) {
 
 const char* launch_schedule(const Problem& pr, const int32_t* topk_ids, const uint8_t* token_mask,
                             int32_t* expert_offsets, int32_t* row_pair, int32_t* pair_row, int32_t* hist,
-                            int32_t* counts, int32_t* tile_expert, int32_t* flags, cudaStream_t stream) {
+                            int32_t* counts, int32_t* tile_expert, int32_t* flags, cudaStream_t stream,
+                            int expert_base, int all_experts) {
   const int64_t P = pr.pairs();
   const int E = static_cast<int>(pr.experts);
   const int K = static_cast<int>(pr.top_k);
   const int64_t R = pr.row_capacity();
   const int64_t slots = schedule_slots(pr);
+  const ExpertWindow win{expert_base, all_experts > 0 ? all_experts : E};
+  if (expert_base < 0 || expert_base + E > win.all_experts) return "mok cuda schedule: bad expert window";
   const int blocks = static_cast<int>(slots / kWarps);
   const size_t smem = size_t(kWarps) * E * sizeof(int32_t);
   if (smem > 200 * 1024) return "mok cuda schedule: too many experts";
@@ -186,14 +200,14 @@ const char* launch_schedule(const Problem& pr, const int32_t* topk_ids, const ui
       return "mok cuda schedule: cudaFuncSetAttribute failed";
   }
   if (cudaMemsetAsync(flags, 0, sizeof(int32_t), stream) != cudaSuccess) return "mok cuda schedule: memset failed";
-  schedule_count<<<blocks, kWarps * 32, smem, stream>>>(topk_ids, token_mask, P, K, E, R, hist, row_pair, flags);
+  schedule_count<<<blocks, kWarps * 32, smem, stream>>>(topk_ids, token_mask, P, K, E, win, R, hist, row_pair, flags);
   if (cudaGetLastError() != cudaSuccess) return "mok cuda schedule: count launch failed";
   schedule_scan<<<(E + 31) / 32, dim3(32, 32), 0, stream>>>(hist, slots, E, counts);
   if (cudaGetLastError() != cudaSuccess) return "mok cuda schedule: scan launch failed";
   schedule_offsets<<<1, kOffThreads, 0, stream>>>(counts, E, static_cast<int>(pr.tile_rows), R, expert_offsets,
                                                   tile_expert);
   if (cudaGetLastError() != cudaSuccess) return "mok cuda schedule: offsets launch failed";
-  schedule_place<<<blocks, kWarps * 32, smem, stream>>>(topk_ids, token_mask, P, K, E, hist, expert_offsets,
+  schedule_place<<<blocks, kWarps * 32, smem, stream>>>(topk_ids, token_mask, P, K, E, win, hist, expert_offsets,
                                                         pair_row, row_pair, flags);
   if (cudaGetLastError() != cudaSuccess) return "mok cuda schedule: place launch failed";
   return nullptr;

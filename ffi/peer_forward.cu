@@ -1,0 +1,209 @@
+// Orchestration of the peer-dispatch forward (protocol in peer_forward.h).
+//
+// Workspace layout (each region 256-byte aligned, in this order):
+//   flags        int32[4]
+//   x_table      uint64[8]      every rank's x this call
+//   ret_table    uint64[8]      every rank's return buffer this call
+//   ids_all      int32[ranks * T * K]    the routing all-gather
+//   mask_all     uint8[ranks * T]
+//   hist         int32[slots * E_l]      schedule scratch (global pairs)
+//   counts       int32[E_l]
+//   offsets      int32[E_l + 1]          padded start row of each local expert
+//   row_pair     int32[rounds * C]       global pair of each row, -1 = padding
+//   pair_row     int32[ranks * T * K]    (schedule output, unused)
+//   tile_expert  int32[rounds * C / 128]
+//   local_pairs  int32[T * K]            this rank's routed pairs (combine)
+//   xg / out     bf16[C, H]              one round's pulled rows, then its down output
+//   gate, up     bf16[C, F] each         one round's pre-activations (not kept)
+//   act          bf16[C, F]
+//   ret          bf16[T * K, H]          this rank's down rows, pushed by their experts' ranks
+//   shared_*     gate/up/act [T, Fs], out [T, H]   (Fs > 0 only)
+#include "peer_forward.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "cuda_problem.h"
+#include "forward_cuda.h"
+#include "gemm_wgmma.cuh"
+
+namespace mok::cuda {
+namespace {
+
+// The problem one rank schedules: all ranks' tokens, its own experts.
+Problem gathered_problem(const Problem& local, int ranks) {
+  Problem g = local;
+  g.tokens = local.tokens * ranks;
+  g.experts = local.experts / ranks;
+  return g;
+}
+
+struct PeerLayout {
+  size_t flags, x_table, ret_table, ids_all, mask_all, hist, counts, offsets, row_pair, pair_row, tile_expert,
+      local_pairs, xg, gate, up, act, ret, s_gate, s_up, s_act, s_out, total;
+  int64_t rounds;
+};
+
+PeerLayout make_peer_layout(const Problem& p, int ranks, int64_t C) {
+  const Problem g = gathered_problem(p, ranks);
+  PeerLayout L{};
+  L.rounds = peer_rounds(p, ranks, C);
+  WorkspaceCarver ws;
+  const size_t T = static_cast<size_t>(p.tokens), K = static_cast<size_t>(p.top_k);
+  const size_t H = static_cast<size_t>(p.hidden), F = static_cast<size_t>(p.ffn);
+  const size_t El = static_cast<size_t>(g.experts), R = static_cast<size_t>(ranks);
+  const size_t rows = static_cast<size_t>(L.rounds * C);
+  L.flags = ws.take(4 * sizeof(int32_t));
+  L.x_table = ws.take(kMaxPeerRanks * sizeof(uint64_t));
+  L.ret_table = ws.take(kMaxPeerRanks * sizeof(uint64_t));
+  L.ids_all = ws.take(R * T * K * sizeof(int32_t));
+  L.mask_all = ws.take(R * T);
+  L.hist = ws.take(static_cast<size_t>(detail::schedule_slots(g)) * El * sizeof(int32_t));
+  L.counts = ws.take(El * sizeof(int32_t));
+  L.offsets = ws.take((El + 1) * sizeof(int32_t));
+  L.row_pair = ws.take(rows * sizeof(int32_t));
+  L.pair_row = ws.take(R * T * K * sizeof(int32_t));
+  L.tile_expert = ws.take(rows / 128 * sizeof(int32_t));
+  L.local_pairs = ws.take(T * K * sizeof(int32_t));
+  L.xg = ws.take(static_cast<size_t>(C) * H * 2);
+  L.gate = ws.take(static_cast<size_t>(C) * F * 2);
+  L.up = ws.take(static_cast<size_t>(C) * F * 2);
+  L.act = ws.take(static_cast<size_t>(C) * F * 2);
+  L.ret = ws.take(T * K * H * 2);
+  if (p.shared_ffn > 0) {
+    const size_t Fs = static_cast<size_t>(p.shared_ffn);
+    L.s_gate = ws.take(T * Fs * 2);
+    L.s_up = ws.take(T * Fs * 2);
+    L.s_act = ws.take(T * Fs * 2);
+    L.s_out = ws.take(T * H * 2);
+  }
+  L.total = ws.total();
+  return L;
+}
+
+}  // namespace
+
+int64_t peer_default_round_rows(const Problem& local, int ranks) {
+  if (ranks <= 0 || local.experts % ranks != 0) return 0;
+  Problem one = local;
+  one.experts = local.experts / ranks;
+  return std::max<int64_t>(one.tile_rows, one.row_capacity());
+}
+
+int64_t peer_rounds(const Problem& local, int ranks, int64_t round_rows) {
+  if (round_rows <= 0 || ranks <= 0) return 0;
+  const int64_t worst = gathered_problem(local, ranks).row_capacity();
+  return std::max<int64_t>(1, (worst + round_rows - 1) / round_rows);
+}
+
+const char* peer_check(const Problem& local, int ranks, int64_t round_rows) {
+  if (const char* e = unsupported_problem(local)) return e;
+  if (ranks < 1 || ranks > kMaxPeerRanks) return "mok peer dispatch: ranks must be in [1, 8]";
+  if (local.experts % ranks != 0) return "mok peer dispatch: the number of experts must divide by the ranks";
+  if (round_rows < local.tile_rows || round_rows % local.tile_rows != 0)
+    return "mok peer dispatch: round_rows must be a positive multiple of 128";
+  if (const char* e = unsupported_problem(gathered_problem(local, ranks))) return e;
+  return nullptr;
+}
+
+size_t peer_forward_workspace_bytes(const Problem& local, int ranks, int64_t round_rows) {
+  if (peer_check(local, ranks, round_rows) != nullptr) return 0;
+  return make_peer_layout(local, ranks, round_rows).total;
+}
+
+const char* peer_forward(const Problem& p, const PeerGroup& group, const PeerForwardArgs& a, void* workspace,
+                         int64_t C, cudaStream_t stream) {
+  const int ranks = group.ranks;
+  if (const char* e = peer_check(p, ranks, C)) return e;
+  if (group.rank < 0 || group.rank >= ranks) return "mok peer dispatch: rank outside [0, ranks)";
+  for (int s = 0; s < ranks; ++s)
+    if (group.ctl[s] == nullptr) return "mok peer dispatch: missing control block";
+  if (workspace == nullptr || !aligned16(workspace)) return "mok peer dispatch: workspace missing or misaligned";
+  if (!aligned16(a.x) || !aligned16(a.y) || !aligned16(a.w_gate) || !aligned16(a.w_up) || !aligned16(a.w_down))
+    return "mok peer dispatch: tensors must be 16-byte aligned";
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return "mok peer dispatch: cannot query device";
+
+  const Problem g = gathered_problem(p, ranks);
+  const PeerLayout L = make_peer_layout(p, ranks, C);
+  uint8_t* ws = static_cast<uint8_t*>(workspace);
+  auto i32 = [&](size_t off) { return reinterpret_cast<int32_t*>(ws + off); };
+  auto u64 = [&](size_t off) { return reinterpret_cast<uint64_t*>(ws + off); };
+  const int El = static_cast<int>(g.experts);
+  const int K = static_cast<int>(p.top_k);
+  void* ret = ws + L.ret;
+  void* xg = ws + L.xg;
+  int32_t* offsets = i32(L.offsets);
+  int32_t* row_pair = i32(L.row_pair);
+  int32_t* tile_expert = i32(L.tile_expert);
+
+  // 1. publish this call's buffers, wait for every rank, gather the routing
+  if (const char* e = detail::launch_peer_publish(group.ctl[group.rank], a.x, a.topk_ids, a.token_mask, ret, stream))
+    return e;
+  if (const char* e = detail::launch_peer_wait_published(group, stream)) return e;
+  if (const char* e = detail::launch_peer_gather_routing(group, p.tokens, K, i32(L.ids_all), ws + L.mask_all,
+                                                         u64(L.x_table), u64(L.ret_table), stream))
+    return e;
+
+  // 2. the schedule of every rank's pairs onto this rank's experts
+  if (const char* e = detail::launch_schedule(g, i32(L.ids_all), ws + L.mask_all, offsets, row_pair, i32(L.pair_row),
+                                              i32(L.hist), i32(L.counts), tile_expert, i32(L.flags), stream,
+                                              group.rank * El, static_cast<int>(p.experts)))
+    return e;
+  const int64_t scheduled_tiles = g.row_tiles(), all_tiles = L.rounds * C / g.tile_rows;
+  if (all_tiles > scheduled_tiles &&
+      cudaMemsetAsync(tile_expert + scheduled_tiles, 0xff, size_t(all_tiles - scheduled_tiles) * sizeof(int32_t),
+                      stream) != cudaSuccess)  // tiles past the schedule's capacity: unused (-1)
+    return "mok peer dispatch: memset failed";
+  if (const char* e = detail::launch_peer_local_pairs(p, a.topk_ids, a.token_mask, i32(L.local_pairs), stream))
+    return e;
+
+  // 3. the shared expert over this rank's tokens, while peers may still be pulling
+  if (const char* e = detail::launch_shared_expert(p, a.x, a.token_mask, a.ws_gate, a.ws_up, a.ws_down, ws + L.s_gate,
+                                                   ws + L.s_up, ws + L.s_act, ws + L.s_out, sms, stream))
+    return e;
+
+  // 4. rounds of C rows: pull -> gate/up + SwiGLU -> down -> push
+  for (int64_t r = 0; r < L.rounds; ++r) {
+    const int64_t row0 = r * C;
+    if (const char* e = detail::launch_peer_pull_rows(u64(L.x_table), p.tokens, K, p.hidden, row_pair, offsets + El,
+                                                      row0, C, xg, sms, stream))
+      return e;
+    GroupedGemmArgs gu;
+    gu.a = xg;
+    gu.m_rows = C;
+    gu.k = p.hidden;
+    gu.b0 = a.w_gate;
+    gu.b1 = a.w_up;
+    gu.groups = El;
+    gu.n = p.ffn;
+    gu.tile_group = tile_expert + row0 / g.tile_rows;
+    gu.out0 = ws + L.gate;
+    gu.out1 = ws + L.up;
+    gu.out2 = ws + L.act;
+    if (const char* e = launch_grouped_gemm(GemmEpilogue::kGateUpSwiGLU, gu, sms, stream)) return e;
+    GroupedGemmArgs dn;
+    dn.a = ws + L.act;
+    dn.m_rows = C;
+    dn.k = p.ffn;
+    dn.b0 = a.w_down;
+    dn.groups = El;
+    dn.n = p.hidden;
+    dn.tile_group = gu.tile_group;
+    dn.out0 = xg;  // the pulled rows are spent
+    if (const char* e = launch_grouped_gemm(GemmEpilogue::kStore, dn, sms, stream)) return e;
+    if (const char* e = detail::launch_peer_push_rows(u64(L.ret_table), p.tokens, K, p.hidden, row_pair, offsets + El,
+                                                      row0, C, xg, sms, stream))
+      return e;
+  }
+
+  // 5. tell every rank its rows are back, wait for ours, combine locally
+  if (const char* e = detail::launch_peer_signal(group, stream)) return e;
+  if (const char* e = detail::launch_peer_wait_returns(group, stream)) return e;
+  return detail::launch_combine(p, a.token_mask, i32(L.local_pairs), a.topk_weights, ret,
+                                p.shared_ffn > 0 ? ws + L.s_out : nullptr, a.y, sms, stream);
+}
+
+}  // namespace mok::cuda

@@ -1,0 +1,109 @@
+// Expert-parallel forward with in-kernel peer dispatch ("peer" mode): the
+// GPUs of one host each own E / ranks experts and pull the token rows routed
+// to them straight from the owner's memory, then push the down rows back.
+//
+// Per call, on every rank d (kernels in peer_dispatch.cu, stream order):
+//   publish   d's control block gets this call's x / ids / mask / return
+//             buffer pointers, then gen = g (release, system scope).
+//   wait      one 32-thread block waits until every rank's gen reached g
+//             (acquire; a rank already past g, or none after the timeout,
+//             is a protocol error: device printf naming the ranks, then trap).
+//   gather    every rank's ids and masks, and its pointers, into d's workspace
+//             (the routing all-gather, unicast reads of each peer).
+//   schedule  count -> pad -> place (schedule.cu) over all ranks' pairs in
+//             rank order, keeping the experts [d*E_l, (d+1)*E_l): the rows of
+//             one expert come in global pair order, as at EP = 1.
+//   rounds    the padded row space in rounds of `round_rows` rows (a fixed
+//             buffer, whatever the imbalance; every round past the last row
+//             exits at once): pull the rows' x from their owners -> gate/up
+//             GEMM + SwiGLU -> down GEMM -> push each down row to its owner's
+//             return buffer at the owner's pair index.
+//   signal    one release add on every rank's `returns` counter.
+//   wait      until d's own `returns` reached g * ranks: every peer has pulled
+//             d's rows and pushed d's results, so d's buffers may go.
+//   combine   the fixed-order combine of the return rows (combine.cu) plus
+//             the shared expert, run locally: y is bitwise the EP = 1 y.
+//
+// Writes into a peer happen only between that peer's publish of g and its
+// final wait of g, so no stale data or flags cross calls; counters only grow
+// (no reset). The only spinning kernels are single 32-thread blocks, so
+// ranks sharing one GPU (the virtual-rank test) cannot starve each other.
+// Forward only: no residuals are kept (a backward would recompute per round).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "plan.h"
+
+namespace mok::cuda {
+
+constexpr int kMaxPeerRanks = 8;
+
+// One rank's control block, in peer-visible memory owned by the library
+// (zeroed once before the first call; never by XLA).
+struct alignas(64) PeerControl {
+  uint32_t gen;      // this rank's call generation, release-stored after the pointers
+  uint32_t returns;  // return signals received: `ranks` per call, monotone
+  uint32_t pad[2];
+  uint64_t x, ids, mask, ret;  // this call's buffers (valid until its final wait)
+};
+
+struct PeerGroup {
+  PeerControl* ctl[kMaxPeerRanks] = {};  // every rank's block, addressable from this device
+  int rank = 0;
+  int ranks = 1;
+  uint64_t timeout_ns = 20ull * 1000 * 1000 * 1000;
+};
+
+struct PeerForwardArgs {
+  const void* x;              // [T_l, H]    this rank's tokens
+  const int32_t* topk_ids;    // [T_l, K]    global expert ids in [0, E)
+  const float* topk_weights;  // [T_l, K]
+  const uint8_t* token_mask;  // [T_l]
+  const void* w_gate;         // [E_l, H, F] this rank's experts
+  const void* w_up;           // [E_l, H, F]
+  const void* w_down;         // [E_l, F, H]
+  const void* ws_gate;        // [H, Fs] shared expert (Fs > 0), replicated
+  const void* ws_up;
+  const void* ws_down;
+  void* y;                    // [T_l, H]
+};
+
+// `local`: this rank's slice (tokens = T_l, experts = all E). The round size
+// by default is the row capacity of a balanced rank, T_l*K + E_l*127 rounded
+// to 128, so a balanced load takes one round.
+int64_t peer_default_round_rows(const Problem& local, int ranks);
+// nullptr or why (ranks, E % ranks, round_rows).
+const char* peer_check(const Problem& local, int ranks, int64_t round_rows);
+size_t peer_forward_workspace_bytes(const Problem& local, int ranks, int64_t round_rows);
+// The number of round launches: ceil(worst-case rows / round_rows).
+int64_t peer_rounds(const Problem& local, int ranks, int64_t round_rows);
+
+const char* peer_forward(const Problem& local, const PeerGroup& group, const PeerForwardArgs& args,
+                         void* workspace, int64_t round_rows, cudaStream_t stream);
+
+namespace detail {
+// Kernels of peer_dispatch.cu.
+const char* launch_peer_publish(PeerControl* self, const void* x, const int32_t* ids, const uint8_t* mask,
+                                void* ret, cudaStream_t stream);
+const char* launch_peer_wait_published(const PeerGroup& g, cudaStream_t stream);
+const char* launch_peer_gather_routing(const PeerGroup& g, int64_t tokens, int top_k, int32_t* ids_all,
+                                       uint8_t* mask_all, uint64_t* x_table, uint64_t* ret_table,
+                                       cudaStream_t stream);
+const char* launch_peer_local_pairs(const Problem& local, const int32_t* ids, const uint8_t* mask,
+                                    int32_t* pair_row, cudaStream_t stream);
+// Rows [row0, row0 + rows) of the schedule (those below *total_rows).
+const char* launch_peer_pull_rows(const uint64_t* x_table, int64_t tokens_per_rank, int top_k, int64_t hidden,
+                                  const int32_t* row_pair, const int32_t* total_rows, int64_t row0, int64_t rows,
+                                  void* xg, int num_sms, cudaStream_t stream);
+const char* launch_peer_push_rows(const uint64_t* ret_table, int64_t tokens_per_rank, int top_k, int64_t hidden,
+                                  const int32_t* row_pair, const int32_t* total_rows, int64_t row0, int64_t rows,
+                                  const void* out, int num_sms, cudaStream_t stream);
+const char* launch_peer_signal(const PeerGroup& g, cudaStream_t stream);
+const char* launch_peer_wait_returns(const PeerGroup& g, cudaStream_t stream);
+}  // namespace detail
+
+}  // namespace mok::cuda
