@@ -74,8 +74,9 @@ def check_dispatch(dispatch):
     if dispatch == "peer":
         raise NotImplementedError(
             "dispatch='peer' (the in-kernel pull dispatch through a peer-pointer table) is "
-            f"not implemented yet; it is tracked in {ISSUE}. Use dispatch='collective' "
-            "(or 'auto', which is 'collective' for now).")
+            "not available from JAX yet: its CUDA forward protocol exists (ffi/peer_forward.h, "
+            f"tested with virtual ranks on one GPU) but not its wiring or backward; tracked in {ISSUE}. "
+            "Use dispatch='collective' (or 'auto', which is 'collective' for now).")
     return "collective"
 
 
