@@ -11,7 +11,9 @@ Implementations (``--impls``): ``cpu`` / ``cuda`` (mok_jax's FFI kernels),
 ``xla`` (mok_jax's pure-JAX reference), ``auto``, ``torch``
 (``torch._grouped_mm`` with the same routing, GPU only, when importable),
 ``cuda-megakernel`` (the CUDA backend's persistent megakernel instead of its
-default staged kernels).
+default staged kernels), ``cuda-peer`` (the expert-parallel layer with
+``dispatch="peer"`` over a mesh of this one GPU: the peer-dispatch forward
+with a peer table of one, then the collective backward).
 
 Timed at `mok_jax.experts` level (routing precomputed, so the load can be
 controlled): the main table uses a random router's routing; the sweep
@@ -68,17 +70,25 @@ CPU_SHAPES = {
 }
 PASSES = ("fwd", "bwd", "fwd+bwd")
 ROUTINGS = ("uniform", "zipf", "all-to-one")
-IMPLS = ("auto", "cpu", "cuda", "cuda-megakernel", "xla", "torch")
+IMPLS = ("auto", "cpu", "cuda", "cuda-megakernel", "cuda-peer", "xla", "torch")
 
 
-def experts_kwargs(impl):
-    """mok_jax.experts keywords of a benchmark implementation name:
+def experts_call(impl):
+    """f(x, ids, w, wg, wu, wd) -> y of a benchmark implementation name:
     "cuda-megakernel" is the CUDA backend with the persistent megakernel
-    (MegakernelConfig(persistent=True)) instead of the default staged kernels."""
+    (MegakernelConfig(persistent=True)) instead of the default staged kernels;
+    "cuda-peer" the expert-parallel layer, dispatch="peer", on one GPU."""
     if impl == "cuda-megakernel":
-        return {"implementation": "cuda",
-                "megakernel": mok_jax.MegakernelConfig(persistent=True)}
-    return {"implementation": impl}
+        kw = {"implementation": "cuda", "megakernel": mok_jax.MegakernelConfig(persistent=True)}
+    elif impl == "cuda-peer":
+        from jax.sharding import Mesh
+        from mok_jax import parallel
+        mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
+        return lambda *a: parallel.experts_parallel(*a, mesh=mesh, expert_axis="expert",
+                                                    implementation="cuda", dispatch="peer")
+    else:
+        kw = {"implementation": impl}
+    return lambda *a: mok_jax.experts(*a, **kw)
 
 
 def parse_shapes(spec):
@@ -149,7 +159,7 @@ def impl_available(impl, dtype):
     backend = jax.default_backend()
     if impl == "cpu" and backend != "cpu":
         return "the cpu kernels need the CPU backend (run with JAX_PLATFORMS=cpu)"
-    if impl in ("cuda", "cuda-megakernel"):
+    if impl in ("cuda", "cuda-megakernel", "cuda-peer"):
         if not _ffi.cuda_built():
             return f"CUDA backend unavailable: {_ffi.CUDA_UNAVAILABLE_REASON}"
         if backend not in ("gpu", "cuda") or not _ffi.cuda_device_supported():
@@ -167,8 +177,8 @@ def impl_available(impl, dtype):
 def jax_pass_fn(impl, pass_, data, probe):
     """A zero-argument callable running one pass, blocking until done."""
     x, ids, w, wg, wu, wd = data
-    kw = experts_kwargs(impl)
-    f = lambda x, w, wg, wu, wd: mok_jax.experts(x, ids, w, wg, wu, wd, **kw)
+    call = experts_call(impl)
+    f = lambda x, w, wg, wu, wd: call(x, ids, w, wg, wu, wd)
     diff = (x, w, wg, wu, wd)
     if pass_ == "fwd":
         g = jax.jit(f)
@@ -186,8 +196,8 @@ def jax_memory(impl, data, probe):
     """(residual bytes kept between forward and backward, peak bytes of a
     forward+backward step beyond its inputs) of mok_jax.experts."""
     x, ids, w, wg, wu, wd = data
-    kw = experts_kwargs(impl)
-    f = lambda x, w, wg, wu, wd: mok_jax.experts(x, ids, w, wg, wu, wd, **kw)
+    call = experts_call(impl)
+    f = lambda x, w, wg, wu, wd: call(x, ids, w, wg, wu, wd)
     diff = (x, w, wg, wu, wd)
     step = lambda *a: jax.vjp(f, *a)[1](probe)
     return jax_residual_bytes(f, diff), jax_step_peak_bytes(step, diff)
@@ -308,8 +318,7 @@ def run(args):
                         ms = median_ms(fn, args.warmup, iters)
                         row["peak_bytes"] = jax_peak_bytes()
                         if pass_ == "fwd" and kind == "router":
-                            kw = experts_kwargs(impl)
-                            y = jax.jit(lambda *a: mok_jax.experts(*a, **kw))(*data)
+                            y = jax.jit(experts_call(impl))(*data)
                             if impl == "xla":
                                 y_ref = y
                             elif y_ref is not None:

@@ -40,6 +40,16 @@ auto BindBackward(B b) {
       .template Ret<Buf>().template Ret<Buf>().template Ret<Buf>().template Ret<Buf>();
 }
 
+// The peer forward (peer_cpu.h, peer_forward.h): the same 10 inputs, w_* holding
+// this rank's E/ranks experts, then y.
+template <typename B>
+auto BindPeerForward(B b) {
+  return std::move(b).template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>()
+      .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>()
+      .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>()
+      .template Ret<Buf>();
+}
+
 struct Inputs {
   Buf x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd;
 };
@@ -168,6 +178,26 @@ ffi::Error run_forward(const Inputs& in, Ret y, Ret offsets, Ret row_pair, Ret p
   if (err.empty() && !detail::has_shape(*y, {prob.tokens, prob.hidden}))
     err = "y has shape " + detail::dims_str(*y);
   if (err.empty()) err = run(prob, forward_args(in, res, y->untyped_data()));
+  return err.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(err);
+}
+
+// Decodes a peer forward: `local` gets this rank's tokens and the global
+// number of experts (ranks * the local w_gate's first axis); no residuals.
+template <typename Run>
+ffi::Error run_peer_forward(const Inputs& in, Ret y, int ranks, Run&& run) {
+  Problem prob;
+  std::string err = decode_inputs(in, prob);
+  if (err.empty() && (ranks < 1 || ranks > 8)) err = "peer dispatch: ranks must be in [1, 8]";
+  if (err.empty() && !detail::has_shape(*y, {prob.tokens, prob.hidden}))
+    err = "y has shape " + detail::dims_str(*y);
+  if (err.empty()) {
+    prob.experts *= ranks;
+    Residuals none{in.x, in.x, in.x, in.x, in.x, in.x, in.x};  // unused: pointers cleared below
+    ForwardArgs a = forward_args(in, none, y->untyped_data());
+    a.expert_offsets = a.row_pair = a.pair_row = nullptr;
+    a.gate_pre = a.up_pre = a.shared_gate_pre = a.shared_up_pre = nullptr;
+    err = run(prob, a);
+  }
   return err.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(err);
 }
 

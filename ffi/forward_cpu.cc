@@ -10,11 +10,8 @@
 #include "swiglu.h"
 
 namespace mok {
-namespace {
 
-// The shared expert: every unmasked token through one dense SwiGLU FFN.
-// Returns its output rows [T, H] in fp32 (empty when Fs == 0).
-std::vector<float> shared_forward(const Problem& prob, const ForwardArgs& a) {
+std::vector<float> shared_expert_forward_cpu(const Problem& prob, const ForwardArgs& a) {
   const int64_t T = prob.tokens, H = prob.hidden, Fs = prob.shared_ffn;
   std::vector<float> out;
   if (Fs == 0) return out;
@@ -34,8 +31,6 @@ std::vector<float> shared_forward(const Problem& prob, const ForwardArgs& a) {
   gemm_nn(T, H, Fs, act.data(), Fs, wd.data(), H, out.data(), H, false);
   return out;
 }
-
-}  // namespace
 
 std::string forward_cpu(const Problem& prob, const ForwardArgs& a, const ParallelFor& pfor) {
   const int64_t H = prob.hidden, F = prob.ffn, E = prob.experts, R = prob.row_capacity();
@@ -71,7 +66,7 @@ std::string forward_cpu(const Problem& prob, const ForwardArgs& a, const Paralle
     gemm_nn(n, H, F, act.data(), F, wd.data(), H, out_rows.data() + begin * H, H, false);
   });
 
-  const std::vector<float> shared = shared_forward(prob, a);
+  const std::vector<float> shared = shared_expert_forward_cpu(prob, a);
   combine_rows_cpu(prob, a.topk_weights, a.pair_row, out_rows.data(),
                    shared.empty() ? nullptr : shared.data(), a.y);
   return {};

@@ -9,6 +9,7 @@
 
 #include "ffi_args.h"
 #include "forward_cpu.h"
+#include "peer_cpu.h"
 
 namespace mok {
 namespace {
@@ -65,8 +66,31 @@ ffi::Error BackwardCpu(ffi::ThreadPool pool, Buf dy, Buf x, Buf ids, Buf w, Buf 
       [&](const Problem& p, const BackwardArgs& a) { return backward_cpu(p, a, pool_for(pool)); });
 }
 
+// The peer dispatch over this process's CPU devices (peer_cpu.h). `devices`:
+// the ordinals of every expert-axis group, `ranks` per group, rank-major.
+ffi::Error PeerForwardCpu(ffi::ThreadPool pool, int32_t device, Buf x, Buf ids, Buf w, Buf mask, Buf wg, Buf wu,
+                          Buf wd, Buf wsg, Buf wsu, Buf wsd, Ret y, ffi::Span<const int32_t> devices,
+                          int32_t ranks, int32_t timeout_ms) {
+  return run_peer_forward(Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd}, y, ranks,
+                          [&](const Problem& p, const ForwardArgs& a) {
+                            PeerCpuCall call;
+                            call.device = device;
+                            call.devices.assign(devices.begin(), devices.end());
+                            call.ranks = ranks;
+                            call.timeout_ms = timeout_ms;
+                            return peer_forward_cpu(p, call, a, pool_for(pool));
+                          });
+}
+
 }  // namespace
 }  // namespace mok
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MokPeerFwdCpu, mok::PeerForwardCpu,
+                              mok::BindPeerForward(xla::ffi::Ffi::Bind()
+                                                       .Ctx<xla::ffi::ThreadPool>()
+                                                       .Ctx<xla::ffi::DeviceOrdinal>())
+                                  .Attr<xla::ffi::Span<const int32_t>>("devices")
+                                  .Attr<int32_t>("ranks")
+                                  .Attr<int32_t>("timeout_ms"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MokExpertsFwdCpu, mok::ForwardCpu, mok::BindForward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MokExpertsBwdCpu, mok::BackwardCpu, mok::BindBackward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));

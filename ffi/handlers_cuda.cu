@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
@@ -22,6 +23,8 @@
 #include "backward_cuda.h"
 #include "ffi_args.h"
 #include "forward_cuda.h"
+#include "peer_forward.h"
+#include "peer_runtime.h"
 
 namespace mok {
 namespace {
@@ -121,8 +124,48 @@ ffi::Error BackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf 
       });
 }
 
+// The peer-dispatch forward (peer_forward.h) of this GPU's rank: the group's
+// control blocks come from peer_runtime.h; the workspace (routing gather,
+// schedule, one round's rows, the return rows) is an XLA output. Not marked
+// command-buffer compatible: the process's first call initialises the
+// runtime (allocation, preload, synchronisation), which a capture forbids.
+ffi::Error PeerForwardCuda(cudaStream_t stream, Buf x, Buf ids, Buf w, Buf mask, Buf wg, Buf wu, Buf wd, Buf wsg,
+                           Buf wsu, Buf wsd, Ret y, Ret workspace, ffi::Span<const int32_t> devices, int32_t ranks,
+                           int32_t timeout_ms, int32_t round_rows) {
+  return run_peer_forward(
+      Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd}, y, ranks,
+      [&](const Problem& p, const ForwardArgs& a) -> std::string {
+        if (p.dtype != DType::kBF16) return "the CUDA backend supports bfloat16 only";
+        int dev = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess) return "peer dispatch: cannot query the device";
+        cuda::PeerGroup group;
+        const std::vector<int32_t> list(devices.begin(), devices.end());
+        const uint64_t timeout_ns = static_cast<uint64_t>(timeout_ms > 0 ? timeout_ms : 1) * 1000000ull;
+        if (const char* err = cuda::peer_group_for(dev, list, ranks, timeout_ns, &group)) return err;
+        const int64_t C = round_rows > 0 ? round_rows : cuda::peer_default_round_rows(p, ranks);
+        if (const char* err = cuda::peer_check(p, ranks, C)) return err;
+        const size_t need = cuda::peer_forward_workspace_bytes(p, ranks, C);
+        if (workspace->size_bytes() < need)
+          return "workspace has " + std::to_string(workspace->size_bytes()) + " bytes, needs " +
+                 std::to_string(need);
+        cuda::PeerForwardArgs pa{a.x,       a.topk_ids, a.topk_weights, a.token_mask, a.w_gate, a.w_up,
+                                 a.w_down, a.ws_gate,  a.ws_up,        a.ws_down,    a.y};
+        if (const char* err = cuda::peer_forward(p, group, pa, workspace->untyped_data(), C, stream)) return err;
+        return {};
+      });
+}
+
 }  // namespace
 }  // namespace mok
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokPeerFwdCuda, mok::PeerForwardCuda,
+    mok::BindPeerForward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
+        .Ret<mok::Buf>()  // + workspace
+        .Attr<xla::ffi::Span<const int32_t>>("devices")
+        .Attr<int32_t>("ranks")
+        .Attr<int32_t>("timeout_ms")
+        .Attr<int32_t>("round_rows"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokExpertsBwdCuda, mok::BackwardCuda,
@@ -149,6 +192,7 @@ NB_MODULE(_mok_cuda, m) {
     nanobind::dict d;
     d["mok_experts_fwd_cuda"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsFwdCuda));
     d["mok_experts_bwd_cuda"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsBwdCuda));
+    d["mok_peer_fwd_cuda"] = nanobind::capsule(reinterpret_cast<void*>(MokPeerFwdCuda));
     return d;
   });
   // forward_workspace_bytes(T, H, F, E, K, Fs, persistent, dispatch_ctas,
@@ -161,6 +205,16 @@ NB_MODULE(_mok_cuda, m) {
     p.dtype = mok::DType::kBF16;
     return mok::cuda::forward_workspace_bytes(
         p, mok::cuda::MegakernelConfig{persistent, dispatch_ctas, minibatch_rows, ring_rows});
+  });
+  // peer_forward_workspace_bytes(T_local, H, F, E, K, Fs, ranks, round_rows):
+  // 0 when rejected; round_rows 0 = the default (peer_default_round_rows).
+  m.def("peer_forward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs,
+                                           int32_t ranks, int64_t round_rows) -> size_t {
+    mok::Problem p;
+    p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
+    p.dtype = mok::DType::kBF16;
+    const int64_t C = round_rows > 0 ? round_rows : mok::cuda::peer_default_round_rows(p, ranks);
+    return mok::cuda::peer_forward_workspace_bytes(p, ranks, C);
   });
   m.def("captured_calls", []() { return mok::g_captured_calls.load(); });
   m.def("backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K,

@@ -7,6 +7,7 @@
 extern "C" {
 XLA_FFI_Error* MokExpertsFwdCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MokExpertsBwdCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MokPeerFwdCpu(XLA_FFI_CallFrame* call_frame);
 }
 
 NB_MODULE(_mok_cpu, m) {
@@ -14,6 +15,7 @@ NB_MODULE(_mok_cpu, m) {
     nanobind::dict d;
     d["mok_experts_fwd_cpu"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsFwdCpu));
     d["mok_experts_bwd_cpu"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsBwdCpu));
+    d["mok_peer_fwd_cpu"] = nanobind::capsule(reinterpret_cast<void*>(MokPeerFwdCpu));
     return d;
   });
   m.attr("tile_rows") = mok::kTileRows;

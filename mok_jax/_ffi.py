@@ -177,3 +177,30 @@ def backward_call(platform, dy, inputs, residuals):
     outs = jax.ffi.ffi_call(f"mok_experts_bwd_{platform}", types, vmap_method="sequential",
                             input_output_aliases=aliases)(dy, *inputs, *residuals)
     return outs[:8]
+
+
+def peer_forward_call(platform, inputs, devices, ranks, timeout_ms, round_rows=0):
+    """The peer-dispatch forward of one rank (ffi/peer_cpu.h, ffi/peer_forward.h).
+
+    inputs as in forward_call, w_* holding this rank's E/ranks experts and
+    topk_ids global ids. devices: the device ordinals of every expert-axis
+    group, rank-major ([groups * ranks]); the handler finds its own. Returns y.
+    """
+    x, ids, _, _, wg, _, _, wsg, _, _ = inputs
+    types = [_result(x.shape, x.dtype, x)]
+    attrs = dict(devices=np.asarray(devices, np.int32), ranks=np.int32(ranks),
+                 timeout_ms=np.int32(timeout_ms))
+    if platform == "cuda":
+        T, H = x.shape
+        E_l, _, F = wg.shape
+        nbytes = _mok_cuda.peer_forward_workspace_bytes(
+            T, H, F, E_l * ranks, ids.shape[1], wsg.shape[1], ranks, round_rows)
+        if nbytes == 0:
+            raise ValueError(f"dispatch='peer': the CUDA peer forward rejects this problem "
+                             f"(T={T}, H={H}, F={F}, E={E_l * ranks}, ranks={ranks}, "
+                             f"round_rows={round_rows})")
+        types.append(_result((nbytes,), np.uint8, x))
+        attrs["round_rows"] = np.int32(round_rows)
+    outs = jax.ffi.ffi_call(f"mok_peer_fwd_{platform}", types,
+                            vmap_method="sequential")(*inputs, **attrs)
+    return outs[0]

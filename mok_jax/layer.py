@@ -55,8 +55,11 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
       token_axes: mesh axes the tokens are split over (default: expert_axis, then
         the mesh's other axes); must include expert_axis; T must divide evenly.
       dispatch: "collective" (XLA all_to_all rounds around the local kernel),
-        "peer" (in-kernel pull through peer pointers: not implemented yet,
-        raises NotImplementedError), or "auto" (= "collective" for now).
+        "peer" (mesh= only, devices of this process, implementation "cuda" or
+        "cpu": each rank's forward kernel pulls its experts' rows straight
+        from the owners' memory and writes the results back; the backward is
+        the collective one), or "auto" (= "collective" for now). Without a
+        mesh or axis_name there is one rank and dispatch has no effect.
       axis_name: inside your own shard_map: the expert axis. Then w_* are this
         rank's ``[E/EP, ...]`` block (expert e on rank e // (E/EP)),
         router_kernel is the full ``[H, E]``, x holds this rank's tokens, and
@@ -67,7 +70,8 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
 
     Raises:
       ValueError for a bad mesh (expert_axis missing, E or T not divisible);
-      NotImplementedError for dispatch="peer"; TypeError for a ``megakernel``
+      NotImplementedError for dispatch="peer" with axis_name= or with mesh
+      devices of several processes; TypeError for a ``megakernel``
       that is not a `mok_jax.MegakernelConfig`.
     """
     megakernel = check_megakernel(megakernel)  # before any routing work

@@ -28,6 +28,12 @@ FFI backward, and returns ``dx`` rows and ``d_topk_weights`` by the reverse
 Nothing per round is saved between forward and backward (the custom_vjp
 residuals are the inputs only), so activation memory does not grow with the
 number of rounds.
+
+``dispatch="peer"`` (mesh mode) replaces the forward's rounds by one FFI call
+per rank (``_ffi.peer_forward_call``): the rank's kernel pulls the rows routed
+to its experts straight from their owners (peer pointers on GPUs, host
+memory on CPU devices), pushes the results back and combines its own tokens
+(ffi/peer_forward.h, ffi/peer_cpu.h). Its backward is the collective one above.
 """
 
 from __future__ import annotations
@@ -67,17 +73,46 @@ class EPConfig(NamedTuple):
     psum_expert_axes: tuple = ()  # mesh mode: token axes other than `axis`
     psum_shared_axes: tuple = ()  # mesh mode: all token axes
     megakernel: object = None     # MegakernelConfig or None: the CUDA forward's knobs
+    dispatch: str = "collective"  # the forward's dispatch: "collective" | "peer"
+    peer_devices: tuple = ()      # peer: device ordinals of every group (_peer_devices)
 
 
 def check_dispatch(dispatch):
+    """Validates ``dispatch``; returns it ("auto" stays "auto": see _resolve_dispatch)."""
     V.check_choice("dispatch", dispatch, DISPATCH_MODES)
-    if dispatch == "peer":
+    return dispatch
+
+
+def _resolve_dispatch(dispatch, impl, mesh):
+    """The dispatch a mesh call runs: "peer" only when asked for ("auto" is
+    "collective" until the peer path has run on several GPUs, see
+    docs/scaling.md), on devices of this process, with a C++ kernel."""
+    if dispatch != "peer":
+        return "collective"
+    if impl not in ("cpu", "cuda"):
+        raise ValueError(f"dispatch='peer' runs the library's own kernels: implementation "
+                         f"resolved to {impl!r}; use implementation='cuda' (GPU) or 'cpu'")
+    devices = np.asarray(mesh.devices).reshape(-1)
+    foreign = [d for d in devices if d.process_index != jax.process_index()]
+    if foreign:
         raise NotImplementedError(
-            "dispatch='peer' (the in-kernel pull dispatch through a peer-pointer table) is "
-            "not available from JAX yet: its CUDA forward protocol exists (ffi/peer_forward.h, "
-            f"tested with virtual ranks on one GPU) but not its wiring or backward; tracked in {ISSUE}. "
-            "Use dispatch='collective' (or 'auto', which is 'collective' for now).")
-    return "collective"
+            f"dispatch='peer' needs every mesh device in this process (device {foreign[0]} is in "
+            f"process {foreign[0].process_index}): the multi-process peer path (CUDA IPC) is not "
+            f"built yet ({ISSUE}); use dispatch='collective' across processes")
+    return "peer"
+
+
+def _peer_devices(mesh, axis):
+    """Device ordinals of every expert-axis group, rank-major: the FFI call's
+    ``devices`` attribute (each device finds its group and rank in it)."""
+    grid = np.moveaxis(np.asarray(mesh.devices), list(mesh.axis_names).index(axis), -1)
+    return tuple(int(d.local_hardware_id if d.local_hardware_id is not None else d.id)
+                 for d in grid.reshape(-1))
+
+
+# A peer that has not joined a peer call after this long is lost: the call
+# fails with an error naming the ranks instead of hanging.
+PEER_TIMEOUT_MS = 20000
 
 
 def _round_rows(tokens_local, top_k, ep, round_rows):
@@ -216,6 +251,8 @@ def _union_axes(arrays):
 
 def rank_forward(cfg, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
     """Per-rank forward (inside a manual context over cfg.axis)."""
+    if cfg.dispatch == "peer":
+        return _peer_rank_forward(cfg, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd)
     T, H = x.shape
     K = ids.shape[1]
     El = wg.shape[0]
@@ -253,6 +290,19 @@ def rank_forward(cfg, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
         prod = jax.lax.optimization_barrier(w[:, k:k + 1] * out[:, k])
         acc = jnp.where(valid[:, k:k + 1], acc + prod, acc)
     y = jnp.where(mask[:, None], acc, 0.0).astype(x.dtype)
+    return _vary(y, axes)
+
+
+def _peer_rank_forward(cfg, x, ids, weights, mask, *weights_all):
+    """The peer dispatch: one FFI call per rank pulls the rows routed to this
+    rank's experts from their owners, pushes the results back and combines
+    its own tokens (ffi/peer_cpu.h on CPU devices, ffi/peer_forward.h on GPUs).
+    The backward is the collective one (rank_backward): nothing of the
+    forward is kept, so the two need not share a dispatch."""
+    inputs = [x, ids, weights, mask.astype(jnp.uint8), *weights_all]
+    axes = _union_axes(inputs)
+    inputs, _ = _ffi.reconcile_varying(inputs)
+    y = _ffi.peer_forward_call(cfg.impl, inputs, cfg.peer_devices, cfg.ep, PEER_TIMEOUT_MS)
     return _vary(y, axes)
 
 
@@ -455,11 +505,13 @@ def experts_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, mesh=No
         impl = _resolve_impl(implementation, x.dtype, (H, F, Fs, K), platform)
         if T == 0:
             return jnp.zeros(x.shape, x.dtype)
+        mode = _resolve_dispatch(dispatch, impl, mesh)
         cfg = EPConfig(impl=impl, axis=axis, ep=ep,
                        round_rows=_round_rows(T // n_tok, K, ep, round_rows),
                        sync_axes=tok_axes, mesh=mesh, token_axes=tok_axes,
                        psum_expert_axes=tuple(a for a in tok_axes if a != axis),
-                       psum_shared_axes=tok_axes, megakernel=megakernel)
+                       psum_shared_axes=tok_axes, megakernel=megakernel, dispatch=mode,
+                       peer_devices=_peer_devices(mesh, axis) if mode == "peer" else ())
         with jax.named_scope(f"mok_experts_ep_{impl}"):
             y = _ep_mesh(cfg, *inputs)
         return y.reshape(x.shape)
@@ -467,6 +519,11 @@ def experts_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, mesh=No
     if expert_axis is not None or token_axes is not None:
         raise ValueError("expert_axis= and token_axes= go with mesh=; inside your own "
                          "shard_map pass axis_name= only")
+    if dispatch == "peer":
+        raise NotImplementedError(
+            "dispatch='peer' needs mesh=: the peer call must know the devices of every expert "
+            "group, which a shard_map body (axis_name=) does not expose; inside your own "
+            "shard_map use dispatch='collective' (or 'auto')")
     ep = int(jax.lax.axis_size(axis_name))
     impl = _resolve_impl(implementation, x.dtype, (H, F, Fs, K), jax.default_backend())
     if T == 0:

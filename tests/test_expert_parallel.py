@@ -319,8 +319,6 @@ def test_bad_meshes_and_options():
         call(mesh=m2, expert_axis="expert", token_axes=("expert", "model"))
     with pytest.raises(ValueError, match=r"T=30 tokens.*token_axes=\('expert', 'data'\)"):
         mok_jax.moe_layer(x[:30], router, wg, wu, wd, top_k=K, mesh=m2, expert_axis="expert")
-    with pytest.raises(NotImplementedError, match="dispatch='peer'.*issue 5"):
-        call(mesh=_mesh((2,), ("expert",)), expert_axis="expert", dispatch="peer")
     with pytest.raises(ValueError, match="dispatch='ring' is not supported"):
         call(mesh=_mesh((2,), ("expert",)), expert_axis="expert", dispatch="ring")
     with pytest.raises(ValueError, match="expert_axis= and token_axes= need mesh="):
