@@ -13,22 +13,8 @@
 #include "swiglu.h"
 
 namespace mok {
-namespace {
 
-// Per-segment fp32 work buffers, reused across experts.
-struct SegmentBuffers {
-  std::vector<float> xs, dyr, g, u, act, gd, dg, du, dxs, wt;
-  void resize(int64_t n, int64_t H, int64_t F) {
-    for (auto* v : {&xs, &dyr, &dxs}) v->resize(static_cast<size_t>(n * H));
-    for (auto* v : {&g, &u, &act, &gd, &dg, &du}) v->resize(static_cast<size_t>(n * F));
-    wt.resize(static_cast<size_t>(H * F));
-  }
-};
-
-// One dense SwiGLU FFN's backward over n rows: from its input rows xs, the
-// saved pre-activations g/u, the output gradient rows dyr and per-row scales
-// (null = 1). Writes d_input rows into b.dxs, weight gradients (fp32,
-// overwritten) and, when `dscale` is given, <dyr_i @ wd^T, act_i> per row.
+// (forward_cpu.h)
 void ffn_backward(const Problem& prob, int64_t n, int64_t F, const float* scale, SegmentBuffers& b,
                   const float* wg, const float* wu, const float* wd, float* dwg, float* dwu,
                   float* dwd, float* dscale) {
@@ -57,11 +43,42 @@ void ffn_backward(const Problem& prob, int64_t n, int64_t F, const float* scale,
   gemm_tn(F, H, n, b.act.data(), F, b.dyr.data(), H, dwd, H, false);
 }
 
+namespace {
+
 void load_rows(DType dtype, const void* src, int64_t begin, int64_t n, int64_t width, float* dst) {
   for (int64_t i = 0; i < n * width; ++i) dst[i] = load_elem(dtype, src, begin * width + i);
 }
 
 }  // namespace
+
+std::vector<float> shared_expert_backward_cpu(const Problem& prob, const BackwardArgs& a) {
+  const ForwardArgs& f = a.fwd;
+  const int64_t T = prob.tokens, H = prob.hidden, Fs = prob.shared_ffn;
+  std::vector<float> dx_shared;
+  if (Fs == 0) return dx_shared;
+  SegmentBuffers b;
+  // Masked tokens produced exact zeros, so their dy must not reach any gradient.
+  b.resize(T, H, Fs);
+  for (int64_t t = 0; t < T; ++t) {
+    const bool live = f.token_mask[t] != 0;
+    for (int64_t h = 0; h < H; ++h) {
+      b.xs[t * H + h] = live ? load_elem(prob.dtype, f.x, t * H + h) : 0.0f;
+      b.dyr[t * H + h] = live ? load_elem(prob.dtype, a.dy, t * H + h) : 0.0f;
+    }
+  }
+  load_rows(prob.dtype, f.shared_gate_pre, 0, T, Fs, b.g.data());
+  load_rows(prob.dtype, f.shared_up_pre, 0, T, Fs, b.u.data());
+  const F32Slice wg(prob.dtype, f.ws_gate, 0, H * Fs), wu(prob.dtype, f.ws_up, 0, H * Fs),
+      wd(prob.dtype, f.ws_down, 0, Fs * H);
+  std::vector<float> sg(static_cast<size_t>(H * Fs)), su(sg.size()), sd(sg.size());
+  ffn_backward(prob, T, Fs, nullptr, b, wg.data(), wu.data(), wd.data(), sg.data(), su.data(),
+               sd.data(), nullptr);
+  from_f32(prob.dtype, sg.data(), a.dws_gate, H * Fs);
+  from_f32(prob.dtype, su.data(), a.dws_up, H * Fs);
+  from_f32(prob.dtype, sd.data(), a.dws_down, Fs * H);
+  dx_shared.swap(b.dxs);
+  return dx_shared;
+}
 
 std::string backward_cpu(const Problem& prob, const BackwardArgs& a, const ParallelFor& pfor) {
   const ForwardArgs& f = a.fwd;
@@ -100,30 +117,7 @@ std::string backward_cpu(const Problem& prob, const BackwardArgs& a, const Paral
     from_f32(prob.dtype, dwd.data(), elem_ptr(prob.dtype, a.dw_down, e * F * H), F * H);
   });
 
-  std::vector<float> dx_shared;
-  if (Fs > 0) {
-    SegmentBuffers b;
-    // Masked tokens produced exact zeros, so their dy must not reach any gradient.
-    b.resize(T, H, Fs);
-    for (int64_t t = 0; t < T; ++t) {
-      const bool live = f.token_mask[t] != 0;
-      for (int64_t h = 0; h < H; ++h) {
-        b.xs[t * H + h] = live ? load_elem(prob.dtype, f.x, t * H + h) : 0.0f;
-        b.dyr[t * H + h] = live ? load_elem(prob.dtype, a.dy, t * H + h) : 0.0f;
-      }
-    }
-    load_rows(prob.dtype, f.shared_gate_pre, 0, T, Fs, b.g.data());
-    load_rows(prob.dtype, f.shared_up_pre, 0, T, Fs, b.u.data());
-    const F32Slice wg(prob.dtype, f.ws_gate, 0, H * Fs), wu(prob.dtype, f.ws_up, 0, H * Fs),
-        wd(prob.dtype, f.ws_down, 0, Fs * H);
-    std::vector<float> sg(static_cast<size_t>(H * Fs)), su(sg.size()), sd(sg.size());
-    ffn_backward(prob, T, Fs, nullptr, b, wg.data(), wu.data(), wd.data(), sg.data(), su.data(),
-                 sd.data(), nullptr);
-    from_f32(prob.dtype, sg.data(), a.dws_gate, H * Fs);
-    from_f32(prob.dtype, su.data(), a.dws_up, H * Fs);
-    from_f32(prob.dtype, sd.data(), a.dws_down, Fs * H);
-    dx_shared.swap(b.dxs);
-  }
+  const std::vector<float> dx_shared = shared_expert_backward_cpu(prob, a);
   combine_rows_cpu(prob, nullptr, f.pair_row, dx_rows.data(),
                    dx_shared.empty() ? nullptr : dx_shared.data(), a.dx);
   return {};

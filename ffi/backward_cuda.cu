@@ -146,6 +146,70 @@ size_t backward_workspace_bytes(const Problem& problem) {
 
 bool backward_rows_in_outputs(const Problem& problem) { return make_layout(problem).rows_in_outputs; }
 
+namespace detail {
+
+const char* launch_shared_backward(const Problem& p, const SharedBackwardArgs& a, int sms, cudaStream_t stream) {
+  const int64_t T = p.tokens, H = p.hidden, Fs = p.shared_ffn;
+  if (Fs <= 0) return nullptr;
+  if (T <= 0) {  // no tokens: exact zeros
+    const size_t bytes = static_cast<size_t>(H) * Fs * 2;
+    if (cudaMemsetAsync(a.dws_gate, 0, bytes, stream) != cudaSuccess ||
+        cudaMemsetAsync(a.dws_up, 0, bytes, stream) != cudaSuccess ||
+        cudaMemsetAsync(a.dws_down, 0, bytes, stream) != cudaSuccess)
+      return "mok cuda backward: memset failed";
+    return nullptr;
+  }
+  DgradArgs g;
+  g.a0 = a.dy;
+  g.m_rows = T;
+  g.k = H;
+  g.b0 = a.ws_down;  // [Fs, H]
+  g.groups = 1;
+  g.n = Fs;
+  g.gate_pre = a.gate_pre;
+  g.up_pre = a.up_pre;
+  g.row_mask = a.token_mask;
+  g.out0 = a.d_gate;
+  g.out1 = a.d_up;
+  g.out2 = a.saw;
+  if (const char* e = launch_dgrad_swiglu_bwd(g, sms, stream)) return e;
+  WgradArgs w;
+  w.jobs = 3;
+  w.job[0] = WgradJob{a.x, H, a.d_gate, Fs, a.dws_gate};
+  w.job[1] = WgradJob{a.x, H, a.d_up, Fs, a.dws_up};
+  w.job[2] = WgradJob{a.saw, Fs, a.dy, H, a.dws_down};
+  w.rows = T;
+  w.groups = 1;
+  if (const char* e = launch_wgrad(w, sms, stream)) return e;
+  DgradArgs d;
+  d.a0 = a.d_gate;
+  d.a1 = a.d_up;
+  d.m_rows = T;
+  d.k = Fs;
+  d.b0 = a.ws_gate;  // [H, Fs]
+  d.b1 = a.ws_up;
+  d.groups = 1;
+  d.n = H;
+  d.out0 = a.sdx;
+  return launch_dgrad_sum2(d, sms, stream);
+}
+
+const char* launch_combine_bwd(const Problem& p, const uint8_t* token_mask, const int32_t* pair_row, const void* dxs,
+                               const void* sdx, const float* part, void* dx, float* d_topk_weights, int sms,
+                               cudaStream_t stream) {
+  const int64_t T = p.tokens;
+  if (T <= 0) return nullptr;
+  if (p.top_k > kMaxK) return "mok cuda backward: top_k > 64 unsupported";
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(T, int64_t(sms) * 16)));
+  combine_bwd<<<grid, kCombThreads, 0, stream>>>(T, p.hidden / 8, static_cast<int>(p.top_k), backward_parts(p),
+                                                 token_mask, pair_row, static_cast<const uint4*>(dxs),
+                                                 static_cast<const uint4*>(sdx), part, static_cast<uint4*>(dx),
+                                                 d_topk_weights);
+  return cudaGetLastError() == cudaSuccess ? nullptr : "mok cuda backward: combine launch failed";
+}
+
+}  // namespace detail
+
 const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, cudaStream_t stream,
                      const BackwardStageEvents* ev) {
   if (const char* e = unsupported_problem(p)) return e;
@@ -172,7 +236,7 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   int32_t* tile_expert = reinterpret_cast<int32_t*>(ws + L.tile_expert);
   float* part = reinterpret_cast<float*>(ws + L.part);
-  const int64_t R = p.row_capacity(), T = p.tokens, H = p.hidden, F = p.ffn, E = p.experts, Fs = p.shared_ffn;
+  const int64_t R = p.row_capacity(), T = p.tokens, H = p.hidden, F = p.ffn, E = p.experts;
   void* dg = a.d_gate_rows;  // may alias f.gate_pre (read before overwritten)
   void* du = a.d_up_rows;    // may alias f.up_pre
   uint8_t* dw_gate_buf = static_cast<uint8_t*>(a.dw_gate);
@@ -219,21 +283,12 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
     g.part = part;
     if (const char* e = launch_dgrad_swiglu_bwd(g, sms, stream)) return e;
   }
-  if (shared_rows) {
-    DgradArgs g;
-    g.a0 = a.dy;
-    g.m_rows = T;
-    g.k = H;
-    g.b0 = f.ws_down;  // [Fs, H]
-    g.groups = 1;
-    g.n = Fs;
-    g.gate_pre = f.shared_gate_pre;
-    g.up_pre = f.shared_up_pre;
-    g.row_mask = f.token_mask;
-    g.out0 = a.d_shared_gate;
-    g.out1 = a.d_shared_up;
-    g.out2 = ws + L.saw;
-    if (const char* e = launch_dgrad_swiglu_bwd(g, sms, stream)) return e;
+  if (has_shared) {  // the shared expert's whole backward (its dx rows into sdx)
+    detail::SharedBackwardArgs sb{a.dy,          f.x,          f.token_mask,   f.ws_gate,      f.ws_up,
+                                  f.ws_down,     f.shared_gate_pre, f.shared_up_pre, a.d_shared_gate,
+                                  a.d_shared_up, ws + L.saw,   ws + L.sdx,     a.dws_gate,     a.dws_up,
+                                  a.dws_down};
+    if (const char* e = detail::launch_shared_backward(p, sb, sms, stream)) return e;
   }
   if (!mark(2)) return "mok cuda backward: event record failed";
 
@@ -252,22 +307,6 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
                           : expert_wgrad({WgradJob{xs, H, dg, F, a.dw_gate}, WgradJob{xs, H, du, F, a.dw_up},
                                           WgradJob{aw, F, dys, H, a.dw_down}}))
     return e;
-  if (shared_rows) {
-    WgradArgs w;
-    w.jobs = 3;
-    w.job[0] = WgradJob{f.x, H, a.d_shared_gate, Fs, a.dws_gate};
-    w.job[1] = WgradJob{f.x, H, a.d_shared_up, Fs, a.dws_up};
-    w.job[2] = WgradJob{ws + L.saw, Fs, a.dy, H, a.dws_down};
-    w.rows = T;
-    w.groups = 1;
-    if (const char* e = launch_wgrad(w, sms, stream)) return e;
-  } else if (has_shared) {  // no tokens: exact zeros
-    const size_t bytes = static_cast<size_t>(H) * Fs * 2;
-    if (cudaMemsetAsync(a.dws_gate, 0, bytes, stream) != cudaSuccess ||
-        cudaMemsetAsync(a.dws_up, 0, bytes, stream) != cudaSuccess ||
-        cudaMemsetAsync(a.dws_down, 0, bytes, stream) != cudaSuccess)
-      return "mok cuda backward: memset failed";
-  }
   if (!mark(3)) return "mok cuda backward: event record failed";
 
   // 4. dxs = dg @ w_gate^T + du @ w_up^T  (into the dys buffer, no longer needed)
@@ -286,31 +325,12 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
     g.out0 = dxs;
     if (const char* e = launch_dgrad_sum2(g, sms, stream)) return e;
   }
-  if (shared_rows) {
-    DgradArgs g;
-    g.a0 = a.d_shared_gate;
-    g.a1 = a.d_shared_up;
-    g.m_rows = T;
-    g.k = Fs;
-    g.b0 = f.ws_gate;  // [H, Fs]
-    g.b1 = f.ws_up;
-    g.groups = 1;
-    g.n = H;
-    g.out0 = ws + L.sdx;
-    if (const char* e = launch_dgrad_sum2(g, sms, stream)) return e;
-  }
   if (!mark(4)) return "mok cuda backward: event record failed";
 
   // 5. combine dx and d_topk_weights
-  if (T > 0) {
-    if (p.top_k > kMaxK) return "mok cuda backward: top_k > 64 unsupported";
-    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(T, int64_t(sms) * 16)));
-    combine_bwd<<<grid, kCombThreads, 0, stream>>>(
-        T, H / 8, static_cast<int>(p.top_k), static_cast<int>(f_tiles(p)), f.token_mask, f.pair_row,
-        static_cast<const uint4*>(dxs), shared_rows ? static_cast<const uint4*>(static_cast<void*>(ws + L.sdx)) : nullptr,
-        part, static_cast<uint4*>(a.dx), a.d_topk_weights);
-    if (cudaGetLastError() != cudaSuccess) return "mok cuda backward: combine launch failed";
-  }
+  if (const char* e = detail::launch_combine_bwd(p, f.token_mask, f.pair_row, dxs, shared_rows ? ws + L.sdx : nullptr,
+                                                 part, a.dx, a.d_topk_weights, sms, stream))
+    return e;
 
   // 6. the gate/up weight gradients when the rows lived in dW_gate's buffer
   // (dxs is spent now)

@@ -46,4 +46,30 @@ struct BackwardStageEvents {
 const char* backward(const Problem& problem, const BackwardArgs& args, void* workspace, cudaStream_t stream,
                      const BackwardStageEvents* stage_events = nullptr);
 
+namespace detail {
+// The shared expert's backward over the T tokens (used by `backward` and the
+// peer backward): dgrad + SwiGLU backward into d_gate/d_up (which may alias
+// the pre-activations), the three weight gradients, and its d_x rows into
+// sdx [T, H]; saw [T, Fs] is scratch. Masked tokens reach no gradient.
+// No-op when Fs == 0; exact zero dws_* when T == 0.
+struct SharedBackwardArgs {
+  const void* dy;
+  const void* x;
+  const uint8_t* token_mask;
+  const void *ws_gate, *ws_up, *ws_down;
+  const void *gate_pre, *up_pre;
+  void *d_gate, *d_up, *saw, *sdx;
+  void *dws_gate, *dws_up, *dws_down;
+};
+const char* launch_shared_backward(const Problem& p, const SharedBackwardArgs& a, int sms, cudaStream_t stream);
+
+// dx[t] = sum in k order of dxs[pair_row[t, k]] (+ sdx[t]), d_topk_weights[t, k]
+// = the row's partial dots summed in order; zeros for masked tokens.
+const char* launch_combine_bwd(const Problem& p, const uint8_t* token_mask, const int32_t* pair_row, const void* dxs,
+                               const void* sdx, const float* part, void* dx, float* d_topk_weights, int sms,
+                               cudaStream_t stream);
+// ceil(F / 256): partial dots per row.
+inline int backward_parts(const Problem& p) { return static_cast<int>((p.ffn + 255) / 256); }
+}  // namespace detail
+
 }  // namespace mok::cuda

@@ -50,6 +50,19 @@ auto BindPeerForward(B b) {
       .template Ret<Buf>();
 }
 
+// The peer backward: dy, the same 10 inputs, then the 8 gradients (w_* and
+// their gradients: this rank's experts; shared-expert gradients: this rank's
+// tokens' share).
+template <typename B>
+auto BindPeerBackward(B b) {
+  return std::move(b).template Arg<Buf>()  // dy
+      .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>()
+      .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>()
+      .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>()
+      .template Ret<Buf>().template Ret<Buf>().template Ret<Buf>().template Ret<Buf>()
+      .template Ret<Buf>().template Ret<Buf>().template Ret<Buf>().template Ret<Buf>();
+}
+
 struct Inputs {
   Buf x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd;
 };
@@ -196,6 +209,49 @@ ffi::Error run_peer_forward(const Inputs& in, Ret y, int ranks, Run&& run) {
     ForwardArgs a = forward_args(in, none, y->untyped_data());
     a.expert_offsets = a.row_pair = a.pair_row = nullptr;
     a.gate_pre = a.up_pre = a.shared_gate_pre = a.shared_up_pre = nullptr;
+    err = run(prob, a);
+  }
+  return err.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(err);
+}
+
+// Decodes a peer backward (as run_peer_forward, plus dy and the gradients).
+template <typename Run>
+ffi::Error run_peer_backward(Buf dy, const Inputs& in, Ret dx, Ret dw, Ret dwg, Ret dwu, Ret dwd, Ret dwsg,
+                             Ret dwsu, Ret dwsd, int ranks, Run&& run) {
+  Problem prob;
+  std::string err = decode_inputs(in, prob);
+  if (err.empty() && (ranks < 1 || ranks > 8)) err = "peer dispatch: ranks must be in [1, 8]";
+  if (err.empty()) {
+    const ffi::DataType dt = in.x.element_type();
+    for (const std::string& e : {
+             detail::expect("dy", dy, {prob.tokens, prob.hidden}, dt),
+             detail::expect("dx", *dx, {prob.tokens, prob.hidden}, dt),
+             detail::expect("d_topk_weights", *dw, {prob.tokens, prob.top_k}, ffi::DataType::F32),
+             detail::expect("dw_gate", *dwg, {prob.experts, prob.hidden, prob.ffn}, dt),
+             detail::expect("dw_up", *dwu, {prob.experts, prob.hidden, prob.ffn}, dt),
+             detail::expect("dw_down", *dwd, {prob.experts, prob.ffn, prob.hidden}, dt),
+             detail::expect("dws_gate", *dwsg, {prob.hidden, prob.shared_ffn}, dt),
+             detail::expect("dws_up", *dwsu, {prob.hidden, prob.shared_ffn}, dt),
+             detail::expect("dws_down", *dwsd, {prob.shared_ffn, prob.hidden}, dt),
+         })
+      if (err.empty() && !e.empty()) err = e;
+  }
+  if (err.empty()) {
+    prob.experts *= ranks;
+    Residuals none{in.x, in.x, in.x, in.x, in.x, in.x, in.x};  // unused: pointers cleared below
+    BackwardArgs a;
+    a.dy = dy.untyped_data();
+    a.fwd = forward_args(in, none, nullptr);
+    a.fwd.expert_offsets = a.fwd.row_pair = a.fwd.pair_row = nullptr;
+    a.fwd.gate_pre = a.fwd.up_pre = a.fwd.shared_gate_pre = a.fwd.shared_up_pre = nullptr;
+    a.dx = dx->untyped_data();
+    a.d_topk_weights = static_cast<float*>(dw->untyped_data());
+    a.dw_gate = dwg->untyped_data();
+    a.dw_up = dwu->untyped_data();
+    a.dw_down = dwd->untyped_data();
+    a.dws_gate = dwsg->untyped_data();
+    a.dws_up = dwsu->untyped_data();
+    a.dws_down = dwsd->untyped_data();
     err = run(prob, a);
   }
   return err.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(err);

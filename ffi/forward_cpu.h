@@ -24,4 +24,28 @@ std::vector<float> shared_expert_forward_cpu(const Problem& prob, const ForwardA
 std::string backward_cpu(const Problem& prob, const BackwardArgs& args,
                          const ParallelFor& pfor = serial_for);
 
+// Per-segment fp32 work buffers of the CPU backward, reused across experts.
+struct SegmentBuffers {
+  std::vector<float> xs, dyr, g, u, act, gd, dg, du, dxs, wt;
+  void resize(int64_t n, int64_t H, int64_t F) {
+    for (auto* v : {&xs, &dyr, &dxs}) v->resize(static_cast<size_t>(n * H));
+    for (auto* v : {&g, &u, &act, &gd, &dg, &du}) v->resize(static_cast<size_t>(n * F));
+    wt.resize(static_cast<size_t>(H * F));
+  }
+};
+
+// One dense SwiGLU FFN's backward over n rows (backward_cpu.cc): from its
+// input rows b.xs, the saved pre-activations b.g / b.u, the output-gradient
+// rows b.dyr and per-row scales (null = 1). Writes d_input rows into b.dxs,
+// the weight gradients (fp32, overwritten) and, when `dscale` is given,
+// <dyr_i @ wd^T, act_i> per row. Also used by peer_cpu.cc.
+void ffn_backward(const Problem& prob, int64_t n, int64_t F, const float* scale, SegmentBuffers& b,
+                  const float* wg, const float* wu, const float* wd, float* dwg, float* dwu,
+                  float* dwd, float* dscale);
+
+// The shared expert's backward (Fs > 0): writes args.dws_* and returns its
+// d_x rows [T, H] in fp32 (empty when Fs == 0). Reads the shared
+// pre-activations from args.fwd.
+std::vector<float> shared_expert_backward_cpu(const Problem& prob, const BackwardArgs& args);
+
 }  // namespace mok

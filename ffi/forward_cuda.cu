@@ -94,6 +94,7 @@ const char* launch_shared_expert(const Problem& p, const void* x, const uint8_t*
   g.out1 = shared_up_pre;
   g.out2 = shared_act;
   if (const char* e = launch_grouped_gemm(GemmEpilogue::kGateUpSwiGLU, g, sms, stream)) return e;
+  if (shared_out == nullptr) return nullptr;
   GroupedGemmArgs d;
   d.a = shared_act;
   d.m_rows = p.tokens;

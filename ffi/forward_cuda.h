@@ -57,7 +57,8 @@ const char* launch_schedule(const Problem& pr, const int32_t* topk_ids, const ui
                             // expert_base + pr.experts) of [0, all_experts or pr.experts) are not routed here
 const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row_pair, const int32_t* expert_offsets,
                             void* xg, int num_sms, cudaStream_t stream);
-// The shared expert (no-op when Fs == 0): gate/up + SwiGLU and down GEMMs over all T tokens.
+// The shared expert (no-op when Fs == 0): gate/up + SwiGLU and down GEMMs over all T tokens
+// (shared_out nullptr: the pre-activations only, for a backward that recomputes them).
 const char* launch_shared_expert(const Problem& p, const void* x, const uint8_t* token_mask, const void* ws_gate,
                                  const void* ws_up, const void* ws_down, void* shared_gate_pre, void* shared_up_pre,
                                  void* shared_act, void* shared_out, int sms, cudaStream_t stream);

@@ -68,18 +68,34 @@ ffi::Error BackwardCpu(ffi::ThreadPool pool, Buf dy, Buf x, Buf ids, Buf w, Buf 
 
 // The peer dispatch over this process's CPU devices (peer_cpu.h). `devices`:
 // the ordinals of every expert-axis group, `ranks` per group, rank-major.
+PeerCpuCall peer_call(int32_t device, ffi::Span<const int32_t> devices, int32_t ranks, int32_t timeout_ms) {
+  PeerCpuCall call;
+  call.device = device;
+  call.devices.assign(devices.begin(), devices.end());
+  call.ranks = ranks;
+  call.timeout_ms = timeout_ms;
+  return call;
+}
+
 ffi::Error PeerForwardCpu(ffi::ThreadPool pool, int32_t device, Buf x, Buf ids, Buf w, Buf mask, Buf wg, Buf wu,
                           Buf wd, Buf wsg, Buf wsu, Buf wsd, Ret y, ffi::Span<const int32_t> devices,
                           int32_t ranks, int32_t timeout_ms) {
   return run_peer_forward(Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd}, y, ranks,
                           [&](const Problem& p, const ForwardArgs& a) {
-                            PeerCpuCall call;
-                            call.device = device;
-                            call.devices.assign(devices.begin(), devices.end());
-                            call.ranks = ranks;
-                            call.timeout_ms = timeout_ms;
-                            return peer_forward_cpu(p, call, a, pool_for(pool));
+                            return peer_forward_cpu(p, peer_call(device, devices, ranks, timeout_ms), a,
+                                                    pool_for(pool));
                           });
+}
+
+ffi::Error PeerBackwardCpu(ffi::ThreadPool pool, int32_t device, Buf dy, Buf x, Buf ids, Buf w, Buf mask, Buf wg,
+                           Buf wu, Buf wd, Buf wsg, Buf wsu, Buf wsd, Ret dx, Ret dw, Ret dwg, Ret dwu, Ret dwd,
+                           Ret dwsg, Ret dwsu, Ret dwsd, ffi::Span<const int32_t> devices, int32_t ranks,
+                           int32_t timeout_ms) {
+  return run_peer_backward(dy, Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd}, dx, dw, dwg, dwu, dwd, dwsg,
+                           dwsu, dwsd, ranks, [&](const Problem& p, const BackwardArgs& a) {
+                             return peer_backward_cpu(p, peer_call(device, devices, ranks, timeout_ms), a,
+                                                      pool_for(pool));
+                           });
 }
 
 }  // namespace
@@ -89,6 +105,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MokPeerFwdCpu, mok::PeerForwardCpu,
                               mok::BindPeerForward(xla::ffi::Ffi::Bind()
                                                        .Ctx<xla::ffi::ThreadPool>()
                                                        .Ctx<xla::ffi::DeviceOrdinal>())
+                                  .Attr<xla::ffi::Span<const int32_t>>("devices")
+                                  .Attr<int32_t>("ranks")
+                                  .Attr<int32_t>("timeout_ms"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MokPeerBwdCpu, mok::PeerBackwardCpu,
+                              mok::BindPeerBackward(xla::ffi::Ffi::Bind()
+                                                        .Ctx<xla::ffi::ThreadPool>()
+                                                        .Ctx<xla::ffi::DeviceOrdinal>())
                                   .Attr<xla::ffi::Span<const int32_t>>("devices")
                                   .Attr<int32_t>("ranks")
                                   .Attr<int32_t>("timeout_ms"));

@@ -23,6 +23,7 @@
 #include "backward_cuda.h"
 #include "ffi_args.h"
 #include "forward_cuda.h"
+#include "peer_backward.h"
 #include "peer_forward.h"
 #include "peer_runtime.h"
 
@@ -129,28 +130,68 @@ ffi::Error BackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf 
 // schedule, one round's rows, the return rows) is an XLA output. Not marked
 // command-buffer compatible: the process's first call initialises the
 // runtime (allocation, preload, synchronisation), which a capture forbids.
+// This GPU's PeerGroup and round size for a peer call, or an error.
+std::string peer_setup(const Problem& p, ffi::Span<const int32_t> devices, int32_t ranks, int32_t timeout_ms,
+                       int32_t round_rows, cuda::PeerGroup* group, int64_t* C) {
+  if (p.dtype != DType::kBF16) return "the CUDA backend supports bfloat16 only";
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return "peer dispatch: cannot query the device";
+  const std::vector<int32_t> list(devices.begin(), devices.end());
+  const uint64_t timeout_ns = static_cast<uint64_t>(timeout_ms > 0 ? timeout_ms : 1) * 1000000ull;
+  if (const char* err = cuda::peer_group_for(dev, list, ranks, timeout_ns, group)) return err;
+  *C = round_rows > 0 ? round_rows : cuda::peer_default_round_rows(p, ranks);
+  if (const char* err = cuda::peer_check(p, ranks, *C)) return err;
+  return {};
+}
+
+std::string check_workspace(const Ret& workspace, size_t need) {
+  if (workspace->size_bytes() >= need) return {};
+  return "workspace has " + std::to_string(workspace->size_bytes()) + " bytes, needs " + std::to_string(need);
+}
+
+cuda::PeerForwardArgs peer_args(const ForwardArgs& a) {
+  return cuda::PeerForwardArgs{a.x,      a.topk_ids, a.topk_weights, a.token_mask, a.w_gate, a.w_up,
+                               a.w_down, a.ws_gate,  a.ws_up,        a.ws_down,    a.y};
+}
+
+// The peer-dispatch forward (peer_forward.h) and backward (peer_backward.h)
+// of this GPU's rank: the group's control blocks come from peer_runtime.h;
+// the workspace is an XLA output. Not marked command-buffer compatible: the
+// process's first call initialises the runtime (allocation, preload,
+// synchronisation), which a capture forbids.
 ffi::Error PeerForwardCuda(cudaStream_t stream, Buf x, Buf ids, Buf w, Buf mask, Buf wg, Buf wu, Buf wd, Buf wsg,
                            Buf wsu, Buf wsd, Ret y, Ret workspace, ffi::Span<const int32_t> devices, int32_t ranks,
                            int32_t timeout_ms, int32_t round_rows) {
   return run_peer_forward(
       Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd}, y, ranks,
       [&](const Problem& p, const ForwardArgs& a) -> std::string {
-        if (p.dtype != DType::kBF16) return "the CUDA backend supports bfloat16 only";
-        int dev = 0;
-        if (cudaGetDevice(&dev) != cudaSuccess) return "peer dispatch: cannot query the device";
         cuda::PeerGroup group;
-        const std::vector<int32_t> list(devices.begin(), devices.end());
-        const uint64_t timeout_ns = static_cast<uint64_t>(timeout_ms > 0 ? timeout_ms : 1) * 1000000ull;
-        if (const char* err = cuda::peer_group_for(dev, list, ranks, timeout_ns, &group)) return err;
-        const int64_t C = round_rows > 0 ? round_rows : cuda::peer_default_round_rows(p, ranks);
-        if (const char* err = cuda::peer_check(p, ranks, C)) return err;
-        const size_t need = cuda::peer_forward_workspace_bytes(p, ranks, C);
-        if (workspace->size_bytes() < need)
-          return "workspace has " + std::to_string(workspace->size_bytes()) + " bytes, needs " +
-                 std::to_string(need);
-        cuda::PeerForwardArgs pa{a.x,       a.topk_ids, a.topk_weights, a.token_mask, a.w_gate, a.w_up,
-                                 a.w_down, a.ws_gate,  a.ws_up,        a.ws_down,    a.y};
-        if (const char* err = cuda::peer_forward(p, group, pa, workspace->untyped_data(), C, stream)) return err;
+        int64_t C = 0;
+        if (std::string e = peer_setup(p, devices, ranks, timeout_ms, round_rows, &group, &C); !e.empty()) return e;
+        if (std::string e = check_workspace(workspace, cuda::peer_forward_workspace_bytes(p, ranks, C)); !e.empty())
+          return e;
+        if (const char* err = cuda::peer_forward(p, group, peer_args(a), workspace->untyped_data(), C, stream))
+          return err;
+        return {};
+      });
+}
+
+ffi::Error PeerBackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf mask, Buf wg, Buf wu, Buf wd,
+                            Buf wsg, Buf wsu, Buf wsd, Ret dx, Ret dw, Ret dwg, Ret dwu, Ret dwd, Ret dwsg,
+                            Ret dwsu, Ret dwsd, Ret workspace, ffi::Span<const int32_t> devices, int32_t ranks,
+                            int32_t timeout_ms, int32_t round_rows) {
+  return run_peer_backward(
+      dy, Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd}, dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd, ranks,
+      [&](const Problem& p, const BackwardArgs& a) -> std::string {
+        cuda::PeerGroup group;
+        int64_t C = 0;
+        if (std::string e = peer_setup(p, devices, ranks, timeout_ms, round_rows, &group, &C); !e.empty()) return e;
+        if (std::string e = check_workspace(workspace, cuda::peer_backward_workspace_bytes(p, ranks, C));
+            !e.empty())
+          return e;
+        cuda::PeerBackwardArgs b{a.dy,      peer_args(a.fwd), a.dx,       a.d_topk_weights, a.dw_gate,
+                                 a.dw_up,   a.dw_down,        a.dws_gate, a.dws_up,         a.dws_down};
+        if (const char* err = cuda::peer_backward(p, group, b, workspace->untyped_data(), C, stream)) return err;
         return {};
       });
 }
@@ -161,6 +202,15 @@ ffi::Error PeerForwardCuda(cudaStream_t stream, Buf x, Buf ids, Buf w, Buf mask,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokPeerFwdCuda, mok::PeerForwardCuda,
     mok::BindPeerForward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
+        .Ret<mok::Buf>()  // + workspace
+        .Attr<xla::ffi::Span<const int32_t>>("devices")
+        .Attr<int32_t>("ranks")
+        .Attr<int32_t>("timeout_ms")
+        .Attr<int32_t>("round_rows"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokPeerBwdCuda, mok::PeerBackwardCuda,
+    mok::BindPeerBackward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
         .Ret<mok::Buf>()  // + workspace
         .Attr<xla::ffi::Span<const int32_t>>("devices")
         .Attr<int32_t>("ranks")
@@ -193,6 +243,7 @@ NB_MODULE(_mok_cuda, m) {
     d["mok_experts_fwd_cuda"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsFwdCuda));
     d["mok_experts_bwd_cuda"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsBwdCuda));
     d["mok_peer_fwd_cuda"] = nanobind::capsule(reinterpret_cast<void*>(MokPeerFwdCuda));
+    d["mok_peer_bwd_cuda"] = nanobind::capsule(reinterpret_cast<void*>(MokPeerBwdCuda));
     return d;
   });
   // forward_workspace_bytes(T, H, F, E, K, Fs, persistent, dispatch_ctas,
@@ -215,6 +266,14 @@ NB_MODULE(_mok_cuda, m) {
     p.dtype = mok::DType::kBF16;
     const int64_t C = round_rows > 0 ? round_rows : mok::cuda::peer_default_round_rows(p, ranks);
     return mok::cuda::peer_forward_workspace_bytes(p, ranks, C);
+  });
+  m.def("peer_backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs,
+                                            int32_t ranks, int64_t round_rows) -> size_t {
+    mok::Problem p;
+    p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
+    p.dtype = mok::DType::kBF16;
+    const int64_t C = round_rows > 0 ? round_rows : mok::cuda::peer_default_round_rows(p, ranks);
+    return mok::cuda::peer_backward_workspace_bytes(p, ranks, C);
   });
   m.def("captured_calls", []() { return mok::g_captured_calls.load(); });
   m.def("backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K,

@@ -8,6 +8,7 @@ extern "C" {
 XLA_FFI_Error* MokExpertsFwdCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MokExpertsBwdCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MokPeerFwdCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MokPeerBwdCpu(XLA_FFI_CallFrame* call_frame);
 }
 
 NB_MODULE(_mok_cpu, m) {
@@ -16,6 +17,7 @@ NB_MODULE(_mok_cpu, m) {
     d["mok_experts_fwd_cpu"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsFwdCpu));
     d["mok_experts_bwd_cpu"] = nanobind::capsule(reinterpret_cast<void*>(MokExpertsBwdCpu));
     d["mok_peer_fwd_cpu"] = nanobind::capsule(reinterpret_cast<void*>(MokPeerFwdCpu));
+    d["mok_peer_bwd_cpu"] = nanobind::capsule(reinterpret_cast<void*>(MokPeerBwdCpu));
     return d;
   });
   m.attr("tile_rows") = mok::kTileRows;

@@ -17,6 +17,11 @@
 //             gen * ranks (every peer is done with r's buffers).
 //   combine   the fixed-order combine of r's return rows (+ shared expert),
 //             the code of forward_cpu: y is bitwise the EP = 1 y.
+// The backward (peer_backward_cpu) is the same protocol: each rank pulls x
+// and dy rows for its experts, recomputes their pre-activations, writes its
+// experts' weight gradients (K over all their rows, in global pair order: the
+// EP = 1 gradients) and every d_x row and d_topk_weight into the owner's
+// return buffers; the owner combines d_x in k order plus its shared expert's.
 // A rank whose own topk_ids are out of range still takes part (its bad pairs
 // are skipped) and reports the error after the protocol, so no peer hangs.
 #pragma once
@@ -41,5 +46,9 @@ struct PeerCpuCall {
 // `local`: this rank's tokens; experts = the global E (args' w_* hold E/ranks).
 std::string peer_forward_cpu(const Problem& local, const PeerCpuCall& call, const ForwardArgs& args,
                              const ParallelFor& pfor = serial_for);
+// args.fwd: the forward's inputs (no residuals); shared-expert gradients are
+// this rank's tokens' share.
+std::string peer_backward_cpu(const Problem& local, const PeerCpuCall& call, const BackwardArgs& args,
+                              const ParallelFor& pfor = serial_for);
 
 }  // namespace mok

@@ -53,13 +53,16 @@ Ctl make_ctl(const PeerGroup& g) {
   return c;
 }
 
-__global__ void peer_publish(PeerControl* self, uint64_t x, uint64_t ids, uint64_t mask, uint64_t ret) {
+__global__ void peer_publish(PeerControl* self, PeerBuffers b) {
   // Only this rank writes its gen, so a plain read sees its own last store.
   const uint32_t g = *reinterpret_cast<volatile uint32_t*>(&self->gen) + 1u;
-  self->x = x;
-  self->ids = ids;
-  self->mask = mask;
-  self->ret = ret;
+  self->x = reinterpret_cast<uint64_t>(b.x);
+  self->ids = reinterpret_cast<uint64_t>(b.ids);
+  self->mask = reinterpret_cast<uint64_t>(b.mask);
+  self->ret = reinterpret_cast<uint64_t>(b.ret);
+  self->dy = reinterpret_cast<uint64_t>(b.dy);
+  self->w = reinterpret_cast<uint64_t>(b.w);
+  self->ret_part = reinterpret_cast<uint64_t>(b.ret_part);
   st_release_sys(&self->gen, g);  // orders the pointers (and the caller's inputs) before g
 }
 
@@ -86,14 +89,17 @@ __global__ void peer_wait_published(Ctl c) {
   }
 }
 
-// ids_all[s*T*K + i] = ids of rank s, mask_all[s*T + t] likewise; the tables
-// get every rank's x and return-buffer pointers. After peer_wait_published.
+// ids_all[s*T*K + i] = ids of rank s, mask_all[s*T + t] likewise (and the
+// weights, in the backward); the tables get every rank's buffer pointers.
+// After peer_wait_published.
 __global__ void peer_gather_routing(Ctl c, int64_t T, int K, int32_t* __restrict__ ids_all,
-                                    uint8_t* __restrict__ mask_all, uint64_t* __restrict__ x_table,
-                                    uint64_t* __restrict__ ret_table) {
+                                    uint8_t* __restrict__ mask_all, PeerTables t) {
   if (blockIdx.x == 0 && threadIdx.x < c.ranks) {
-    x_table[threadIdx.x] = ld_relaxed_sys_u64(&c.c[threadIdx.x]->x);
-    ret_table[threadIdx.x] = ld_relaxed_sys_u64(&c.c[threadIdx.x]->ret);
+    const PeerControl* b = c.c[threadIdx.x];
+    t.x[threadIdx.x] = ld_relaxed_sys_u64(&b->x);
+    t.ret[threadIdx.x] = ld_relaxed_sys_u64(&b->ret);
+    if (t.dy) t.dy[threadIdx.x] = ld_relaxed_sys_u64(&b->dy);
+    if (t.ret_part) t.ret_part[threadIdx.x] = ld_relaxed_sys_u64(&b->ret_part);
   }
   const int64_t P = T * K;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -102,6 +108,10 @@ __global__ void peer_gather_routing(Ctl c, int64_t T, int K, int32_t* __restrict
     const uint8_t* mask = reinterpret_cast<const uint8_t*>(ld_relaxed_sys_u64(&c.c[s]->mask));
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < P; i += stride) ids_all[s * P + i] = ids[i];
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < T; i += stride) mask_all[s * T + i] = mask[i];
+    if (t.w_all) {
+      const float* w = reinterpret_cast<const float*>(ld_relaxed_sys_u64(&c.c[s]->w));
+      for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < P; i += stride) t.w_all[s * P + i] = w[i];
+    }
   }
 }
 
@@ -181,6 +191,23 @@ __global__ void __launch_bounds__(kRowThreads) peer_push_rows(const uint64_t* __
   }
 }
 
+// The owner's partial-dot row of each real row r: ret_part[local pair] = part[r - row0].
+__global__ void peer_push_part(const uint64_t* __restrict__ part_table, int64_t T, int K, int parts,
+                               const int32_t* __restrict__ row_pair, const int32_t* __restrict__ total_rows,
+                               int64_t row0, int64_t rows, const float* __restrict__ part) {
+  const int64_t end = min(row0 + rows, int64_t(*total_rows));
+  for (int64_t r = row0 + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < end;
+       r += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t p = row_pair[r];
+    if (p < 0) continue;
+    int s;
+    int64_t lp;
+    owner_of(p, T * K, &s, &lp);
+    float* dst = reinterpret_cast<float*>(part_table[s]) + lp * parts;
+    for (int i = 0; i < parts; ++i) dst[i] = part[(r - row0) * parts + i];
+  }
+}
+
 // Lane s tells rank s that this rank's pushes (earlier kernels) are done.
 __global__ void peer_signal(Ctl c) {
   const int s = threadIdx.x;
@@ -214,10 +241,8 @@ int row_grid(int64_t rows, int num_sms) {
 
 }  // namespace
 
-const char* launch_peer_publish(PeerControl* self, const void* x, const int32_t* ids, const uint8_t* mask, void* ret,
-                                cudaStream_t stream) {
-  peer_publish<<<1, 1, 0, stream>>>(self, reinterpret_cast<uint64_t>(x), reinterpret_cast<uint64_t>(ids),
-                                    reinterpret_cast<uint64_t>(mask), reinterpret_cast<uint64_t>(ret));
+const char* launch_peer_publish(PeerControl* self, const PeerBuffers& b, cudaStream_t stream) {
+  peer_publish<<<1, 1, 0, stream>>>(self, b);
   return cudaGetLastError() == cudaSuccess ? nullptr : "mok peer dispatch: publish launch failed";
 }
 
@@ -227,11 +252,10 @@ const char* launch_peer_wait_published(const PeerGroup& g, cudaStream_t stream) 
 }
 
 const char* launch_peer_gather_routing(const PeerGroup& g, int64_t tokens, int top_k, int32_t* ids_all,
-                                       uint8_t* mask_all, uint64_t* x_table, uint64_t* ret_table,
-                                       cudaStream_t stream) {
+                                       uint8_t* mask_all, const PeerTables& tables, cudaStream_t stream) {
   const int64_t P = tokens * top_k;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((P + 255) / 256, 264)));
-  peer_gather_routing<<<grid, 256, 0, stream>>>(make_ctl(g), tokens, top_k, ids_all, mask_all, x_table, ret_table);
+  peer_gather_routing<<<grid, 256, 0, stream>>>(make_ctl(g), tokens, top_k, ids_all, mask_all, tables);
   return cudaGetLastError() == cudaSuccess ? nullptr : "mok peer dispatch: routing gather launch failed";
 }
 
@@ -261,6 +285,15 @@ const char* launch_peer_push_rows(const uint64_t* ret_table, int64_t tokens_per_
                                                                       row_pair, total_rows, row0, rows,
                                                                       static_cast<const uint4*>(out));
   return cudaGetLastError() == cudaSuccess ? nullptr : "mok peer dispatch: push launch failed";
+}
+
+const char* launch_peer_push_part(const uint64_t* part_table, int64_t tokens_per_rank, int top_k, int parts,
+                                  const int32_t* row_pair, const int32_t* total_rows, int64_t row0, int64_t rows,
+                                  const float* part, int num_sms, cudaStream_t stream) {
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 255) / 256, int64_t(num_sms) * 4)));
+  peer_push_part<<<grid, 256, 0, stream>>>(part_table, tokens_per_rank, top_k, parts, row_pair, total_rows, row0, rows,
+                                           part);
+  return cudaGetLastError() == cudaSuccess ? nullptr : "mok peer dispatch: part push launch failed";
 }
 
 const char* launch_peer_signal(const PeerGroup& g, cudaStream_t stream) {

@@ -31,14 +31,6 @@
 namespace mok::cuda {
 namespace {
 
-// The problem one rank schedules: all ranks' tokens, its own experts.
-Problem gathered_problem(const Problem& local, int ranks) {
-  Problem g = local;
-  g.tokens = local.tokens * ranks;
-  g.experts = local.experts / ranks;
-  return g;
-}
-
 struct PeerLayout {
   size_t flags, x_table, ret_table, ids_all, mask_all, hist, counts, offsets, row_pair, pair_row, tile_expert,
       local_pairs, xg, gate, up, act, ret, s_gate, s_up, s_act, s_out, total;
@@ -46,7 +38,7 @@ struct PeerLayout {
 };
 
 PeerLayout make_peer_layout(const Problem& p, int ranks, int64_t C) {
-  const Problem g = gathered_problem(p, ranks);
+  const Problem g = peer_gathered_problem(p, ranks);
   PeerLayout L{};
   L.rounds = peer_rounds(p, ranks, C);
   WorkspaceCarver ws;
@@ -93,7 +85,7 @@ int64_t peer_default_round_rows(const Problem& local, int ranks) {
 
 int64_t peer_rounds(const Problem& local, int ranks, int64_t round_rows) {
   if (round_rows <= 0 || ranks <= 0) return 0;
-  const int64_t worst = gathered_problem(local, ranks).row_capacity();
+  const int64_t worst = peer_gathered_problem(local, ranks).row_capacity();
   return std::max<int64_t>(1, (worst + round_rows - 1) / round_rows);
 }
 
@@ -103,7 +95,7 @@ const char* peer_check(const Problem& local, int ranks, int64_t round_rows) {
   if (local.experts % ranks != 0) return "mok peer dispatch: the number of experts must divide by the ranks";
   if (round_rows < local.tile_rows || round_rows % local.tile_rows != 0)
     return "mok peer dispatch: round_rows must be a positive multiple of 128";
-  if (const char* e = unsupported_problem(gathered_problem(local, ranks))) return e;
+  if (const char* e = unsupported_problem(peer_gathered_problem(local, ranks))) return e;
   return nullptr;
 }
 
@@ -126,7 +118,7 @@ const char* peer_forward(const Problem& p, const PeerGroup& group, const PeerFor
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
     return "mok peer dispatch: cannot query device";
 
-  const Problem g = gathered_problem(p, ranks);
+  const Problem g = peer_gathered_problem(p, ranks);
   const PeerLayout L = make_peer_layout(p, ranks, C);
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   auto i32 = [&](size_t off) { return reinterpret_cast<int32_t*>(ws + off); };
@@ -140,11 +132,14 @@ const char* peer_forward(const Problem& p, const PeerGroup& group, const PeerFor
   int32_t* tile_expert = i32(L.tile_expert);
 
   // 1. publish this call's buffers, wait for every rank, gather the routing
-  if (const char* e = detail::launch_peer_publish(group.ctl[group.rank], a.x, a.topk_ids, a.token_mask, ret, stream))
-    return e;
+  PeerBuffers mine;
+  mine.x = a.x, mine.ids = a.topk_ids, mine.mask = a.token_mask, mine.ret = ret;
+  if (const char* e = detail::launch_peer_publish(group.ctl[group.rank], mine, stream)) return e;
   if (const char* e = detail::launch_peer_wait_published(group, stream)) return e;
-  if (const char* e = detail::launch_peer_gather_routing(group, p.tokens, K, i32(L.ids_all), ws + L.mask_all,
-                                                         u64(L.x_table), u64(L.ret_table), stream))
+  PeerTables tables;
+  tables.x = u64(L.x_table), tables.ret = u64(L.ret_table);
+  if (const char* e = detail::launch_peer_gather_routing(group, p.tokens, K, i32(L.ids_all), ws + L.mask_all, tables,
+                                                         stream))
     return e;
 
   // 2. the schedule of every rank's pairs onto this rank's experts

@@ -43,12 +43,35 @@ namespace mok::cuda {
 constexpr int kMaxPeerRanks = 8;
 
 // One rank's control block, in peer-visible memory owned by the library
-// (zeroed once before the first call; never by XLA).
+// (zeroed once before the first call; never by XLA). The forward and the
+// backward (peer_backward.h) share it: each call, of either kind, is one
+// generation, and every rank makes the same sequence of calls.
 struct alignas(64) PeerControl {
   uint32_t gen;      // this rank's call generation, release-stored after the pointers
   uint32_t returns;  // return signals received: `ranks` per call, monotone
   uint32_t pad[2];
   uint64_t x, ids, mask, ret;  // this call's buffers (valid until its final wait)
+  uint64_t dy, w, ret_part;    // the backward's too (0 in the forward)
+};
+
+// The buffers a rank publishes for one call.
+struct PeerBuffers {
+  const void* x = nullptr;
+  const int32_t* ids = nullptr;
+  const uint8_t* mask = nullptr;
+  void* ret = nullptr;       // return rows [T*K, H] (bf16), pushed by the experts' ranks
+  const void* dy = nullptr;  // backward: [T, H]
+  const float* w = nullptr;  // backward: topk_weights [T, K]
+  float* ret_part = nullptr;  // backward: [T*K, ceil(F/256)] partial <gd, a> per pair
+};
+
+// Every rank's buffers of this call, gathered into the workspace.
+struct PeerTables {
+  uint64_t* x = nullptr;         // [8]
+  uint64_t* ret = nullptr;       // [8]
+  uint64_t* dy = nullptr;        // [8] or nullptr (forward)
+  uint64_t* ret_part = nullptr;  // [8] or nullptr
+  float* w_all = nullptr;        // [ranks * T * K] or nullptr
 };
 
 struct PeerGroup {
@@ -72,6 +95,14 @@ struct PeerForwardArgs {
   void* y;                    // [T_l, H]
 };
 
+// The problem one rank schedules: all ranks' tokens, its own experts.
+inline Problem peer_gathered_problem(const Problem& local, int ranks) {
+  Problem g = local;
+  g.tokens = local.tokens * ranks;
+  g.experts = local.experts / ranks;
+  return g;
+}
+
 // `local`: this rank's slice (tokens = T_l, experts = all E). The round size
 // by default is the row capacity of a balanced rank, T_l*K + E_l*127 rounded
 // to 128, so a balanced load takes one round.
@@ -87,12 +118,10 @@ const char* peer_forward(const Problem& local, const PeerGroup& group, const Pee
 
 namespace detail {
 // Kernels of peer_dispatch.cu.
-const char* launch_peer_publish(PeerControl* self, const void* x, const int32_t* ids, const uint8_t* mask,
-                                void* ret, cudaStream_t stream);
+const char* launch_peer_publish(PeerControl* self, const PeerBuffers& b, cudaStream_t stream);
 const char* launch_peer_wait_published(const PeerGroup& g, cudaStream_t stream);
 const char* launch_peer_gather_routing(const PeerGroup& g, int64_t tokens, int top_k, int32_t* ids_all,
-                                       uint8_t* mask_all, uint64_t* x_table, uint64_t* ret_table,
-                                       cudaStream_t stream);
+                                       uint8_t* mask_all, const PeerTables& tables, cudaStream_t stream);
 const char* launch_peer_local_pairs(const Problem& local, const int32_t* ids, const uint8_t* mask,
                                     int32_t* pair_row, cudaStream_t stream);
 // Rows [row0, row0 + rows) of the schedule (those below *total_rows).
@@ -102,6 +131,11 @@ const char* launch_peer_pull_rows(const uint64_t* x_table, int64_t tokens_per_ra
 const char* launch_peer_push_rows(const uint64_t* ret_table, int64_t tokens_per_rank, int top_k, int64_t hidden,
                                   const int32_t* row_pair, const int32_t* total_rows, int64_t row0, int64_t rows,
                                   const void* out, int num_sms, cudaStream_t stream);
+// The fp32 partial dots [rows, parts] of each real row to its owner's
+// ret_part at the owner's pair index (the backward's d_topk_weights terms).
+const char* launch_peer_push_part(const uint64_t* part_table, int64_t tokens_per_rank, int top_k, int parts,
+                                  const int32_t* row_pair, const int32_t* total_rows, int64_t row0, int64_t rows,
+                                  const float* part, int num_sms, cudaStream_t stream);
 const char* launch_peer_signal(const PeerGroup& g, cudaStream_t stream);
 const char* launch_peer_wait_returns(const PeerGroup& g, cudaStream_t stream);
 }  // namespace detail

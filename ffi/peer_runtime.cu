@@ -4,10 +4,12 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <string>
 
+#include "peer_backward.h"
 #include "peer_rank.h"
 
 namespace mok::cuda {
@@ -24,17 +26,18 @@ struct Runtime {
 std::mutex g_mutex;
 Runtime g_rt;
 
-// Runs one solo peer forward with a shared expert on `device`, so every
-// kernel of the path gets loaded there (freed again; init-time only).
-std::string preload(int device, PeerControl* solo) {
+// Runs one solo peer forward and backward with a shared expert on the
+// current device, in rounds of 128 rows (so the several-rounds kernels run
+// too), so every kernel of the path gets loaded there (init-time only).
+std::string preload(PeerControl* solo) {
   Problem p;
   p.tokens = 16, p.hidden = 128, p.ffn = 128, p.experts = 2, p.top_k = 1, p.shared_ffn = 128;
   p.dtype = DType::kBF16;
-  const int64_t C = peer_default_round_rows(p, 1);
-  const size_t ws_bytes = peer_forward_workspace_bytes(p, 1, C);
-  const size_t x_bytes = 16 * 128 * 2, w_bytes = 2 * 128 * 128 * 2;
+  const int64_t C = 128;
+  const size_t ws_bytes = std::max(peer_forward_workspace_bytes(p, 1, C), peer_backward_workspace_bytes(p, 1, C));
+  constexpr size_t kSlot = 65536;  // every tensor of the tiny problem fits
+  const size_t total = ws_bytes + 16 * kSlot;
   uint8_t* mem = nullptr;
-  const size_t total = ws_bytes + 8 * 65536;
   if (ws_bytes == 0 || cudaMalloc(&mem, total) != cudaSuccess) return "cannot allocate the preload buffers";
   std::string err;
   cudaStream_t s = nullptr;
@@ -42,23 +45,27 @@ std::string preload(int device, PeerControl* solo) {
     err = "cannot set up the preload";
   } else {
     uint8_t* at = mem + ws_bytes;
-    auto take = [&](size_t bytes) { uint8_t* q = at; at += (bytes + 65535) / 65536 * 65536; return q; };
+    auto take = [&] { uint8_t* q = at; at += kSlot; return q; };
     PeerForwardArgs a{};
-    a.x = take(x_bytes);
-    a.topk_ids = reinterpret_cast<const int32_t*>(take(16 * 4));  // zeros: expert 0
-    a.topk_weights = reinterpret_cast<const float*>(take(16 * 4));
-    a.token_mask = take(16);
-    a.w_gate = take(w_bytes), a.w_up = a.w_gate, a.w_down = a.w_gate;
-    a.ws_gate = take(128 * 128 * 2), a.ws_up = a.ws_gate, a.ws_down = a.ws_gate;
-    a.y = take(x_bytes);
+    a.x = take();
+    a.topk_ids = reinterpret_cast<const int32_t*>(take());  // zeros: expert 0
+    a.topk_weights = reinterpret_cast<const float*>(take());
+    a.token_mask = take();
+    a.w_gate = take(), a.w_up = take(), a.w_down = take();
+    a.ws_gate = take(), a.ws_up = take(), a.ws_down = take();
+    a.y = take();
+    PeerBackwardArgs b{};
+    b.dy = a.y, b.fwd = a, b.dx = take(), b.d_topk_weights = reinterpret_cast<float*>(take());
+    b.dw_gate = take(), b.dw_up = take(), b.dw_down = take();
+    b.dws_gate = take(), b.dws_up = take(), b.dws_down = mem + ws_bytes + 15 * kSlot;
     PeerGroup g;
     g.ctl[0] = solo;
     if (const char* e = peer_forward(p, g, a, mem, C, s)) err = e;
+    else if (const char* e2 = peer_backward(p, g, b, mem, C, s)) err = e2;
     else if (cudaStreamSynchronize(s) != cudaSuccess) err = cudaGetErrorString(cudaGetLastError());
   }
   if (s) cudaStreamDestroy(s);
   cudaFree(mem);
-  (void)device;
   return err;
 }
 
@@ -86,7 +93,7 @@ std::string init_locked() {
       else if (e != cudaSuccess) err = "cannot enable peer access from GPU " + std::to_string(d) + " to " + std::to_string(q);
     }
     if (err.empty()) {
-      const std::string e = preload(d, blocks + kPeerGroupSlots);
+      const std::string e = preload(blocks + kPeerGroupSlots);
       if (!e.empty()) err = "preloading the peer kernels on GPU " + std::to_string(d) + " failed: " + e;
     }
   }

@@ -204,3 +204,29 @@ def peer_forward_call(platform, inputs, devices, ranks, timeout_ms, round_rows=0
     outs = jax.ffi.ffi_call(f"mok_peer_fwd_{platform}", types,
                             vmap_method="sequential")(*inputs, **attrs)
     return outs[0]
+
+
+def peer_backward_call(platform, dy, inputs, devices, ranks, timeout_ms, round_rows=0):
+    """The peer-dispatch backward of one rank (ffi/peer_cpu.h, ffi/peer_backward.h):
+    recomputes what it needs (the forward kept nothing). Returns dx,
+    d_topk_weights and the 6 weight gradients (this rank's experts; the shared
+    expert's for this rank's tokens only, to be summed over the token axes)."""
+    x, ids = inputs[0], inputs[1]
+    types = list(backward_result_types(x, ids, inputs[4:]))
+    attrs = dict(devices=np.asarray(devices, np.int32), ranks=np.int32(ranks),
+                 timeout_ms=np.int32(timeout_ms))
+    if platform == "cuda":
+        T, H = x.shape
+        wg, wsg = inputs[4], inputs[7]
+        E_l, _, F = wg.shape
+        nbytes = _mok_cuda.peer_backward_workspace_bytes(
+            T, H, F, E_l * ranks, ids.shape[1], wsg.shape[1], ranks, round_rows)
+        if nbytes == 0:
+            raise ValueError(f"dispatch='peer': the CUDA peer backward rejects this problem "
+                             f"(T={T}, H={H}, F={F}, E={E_l * ranks}, ranks={ranks}, "
+                             f"round_rows={round_rows})")
+        types.append(_result((nbytes,), np.uint8, x))
+        attrs["round_rows"] = np.int32(round_rows)
+    outs = jax.ffi.ffi_call(f"mok_peer_bwd_{platform}", types,
+                            vmap_method="sequential")(dy, *inputs, **attrs)
+    return tuple(outs[:8])

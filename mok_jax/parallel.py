@@ -297,8 +297,7 @@ def _peer_rank_forward(cfg, x, ids, weights, mask, *weights_all):
     """The peer dispatch: one FFI call per rank pulls the rows routed to this
     rank's experts from their owners, pushes the results back and combines
     its own tokens (ffi/peer_cpu.h on CPU devices, ffi/peer_forward.h on GPUs).
-    The backward is the collective one (rank_backward): nothing of the
-    forward is kept, so the two need not share a dispatch."""
+    Nothing is kept for the backward (_peer_rank_backward recomputes)."""
     inputs = [x, ids, weights, mask.astype(jnp.uint8), *weights_all]
     axes = _union_axes(inputs)
     inputs, _ = _ffi.reconcile_varying(inputs)
@@ -306,9 +305,24 @@ def _peer_rank_forward(cfg, x, ids, weights, mask, *weights_all):
     return _vary(y, axes)
 
 
+def _peer_rank_backward(cfg, dy, x, ids, weights, mask, *weights_all):
+    """The peer dispatch's backward: one FFI call per rank pulls x and dy rows
+    for its experts, recomputes their pre-activations, writes its experts'
+    weight gradients and pushes every d_x row and d_topk_weight back to its
+    owner, who combines them with its shared expert's."""
+    inputs = [dy, x, ids, weights, mask.astype(jnp.uint8), *weights_all]
+    axes = _union_axes(inputs)
+    (dy, *inputs), _ = _ffi.reconcile_varying(inputs)
+    g = _ffi.peer_backward_call(cfg.impl, dy, inputs, cfg.peer_devices, cfg.ep, PEER_TIMEOUT_MS)
+    dx, dw = g[0], g[1]
+    return tuple(_vary(a, axes) for a in (dx, dw, *(w.astype(jnp.float32) for w in g[2:])))
+
+
 def rank_backward(cfg, dy, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
     """Per-rank backward: (dx, d_topk_weights, dwg, dwu, dwd, dwsg, dwsu, dwsd),
     float32 accumulators for the weights, before any cross-rank sum."""
+    if cfg.dispatch == "peer":
+        return _peer_rank_backward(cfg, dy, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd)
     T, H = x.shape
     K = ids.shape[1]
     El = wg.shape[0]

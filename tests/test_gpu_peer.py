@@ -9,10 +9,12 @@ and a shared expert; a peer that never comes must stop rank 0 with a
 "lost peer" error instead of a hang.
 
 Through JAX (mok_jax.experts_parallel / moe_layer with dispatch="peer"): the
-FFI target mok_peer_fwd_cuda on a mesh of this one GPU (a peer table of
-one) is bitwise the EP = 1 CUDA forward, call after call, and its
-gradients (the collective backward) match; on a host with several GPUs the
-same holds for a mesh of all of them (skipped with one GPU).
+FFI targets mok_peer_fwd_cuda / mok_peer_bwd_cuda on a mesh of this one GPU
+(a peer table of one) are bitwise the EP = 1 CUDA forward and backward, call
+after call; in rounds smaller than the rows (the weight gradients summed
+over rounds in fp32) the forward stays bitwise and the gradients within the
+bf16 tolerance; on a host with several GPUs the forward and gradients match
+EP = 1 for a mesh of all of them (skipped with one GPU).
 """
 
 import os
@@ -83,25 +85,39 @@ JAX_CASES = [(1000, 256, 128, 16, 4, 0, "uniform"), (300, 512, 256, 8, 2, 128, "
              (515, 256, 256, 32, 8, 0, "masked"), (2048, 2048, 768, 128, 8, 0, "uniform")]
 
 
-def _peer_vs_cuda(mesh, case):
+def _peer_vs_cuda(mesh, case, bitwise_grads=True):
     T, H, F, E, K, Fs, kind = case
     x, _, wg, wu, wd, sh = make_problem(T, H, F, E, dtype=jnp.bfloat16, shared_ffn=Fs)
     ids, mask = _routing(kind, T, E, K)
     w = jax.random.uniform(fresh_key(), (T, K), minval=0.1)
-    peer = jax.jit(lambda *a: parallel.experts_parallel(
-        *a, mesh=mesh, expert_axis="expert", shared_experts=sh, token_mask=mask,
-        implementation="cuda", dispatch="peer"))
-    ep1 = jax.jit(lambda *a: mok_jax.experts(*a, shared_experts=sh, token_mask=mask,
-                                             implementation="cuda"))
-    y0 = np.asarray(ep1(x, ids, w, wg, wu, wd))
+    ct = jax.random.normal(fresh_key(), (T, H))
+
+    def grads(fn):
+        def loss(x, w, wg, wu, wd, sh):
+            y = fn(x, ids, w, wg, wu, wd, shared_experts=sh, token_mask=mask)
+            return jnp.sum(y.astype(jnp.float32) * ct), y
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
+
+    peer = grads(lambda *a, **kw: parallel.experts_parallel(
+        *a, **kw, mesh=mesh, expert_axis="expert", implementation="cuda", dispatch="peer"))
+    ep1 = grads(lambda *a, **kw: mok_jax.experts(*a, **kw, implementation="cuda"))
+    (_, y0), g0 = ep1(x, w, wg, wu, wd, sh)
     up = lambda a: a.astype(jnp.float32)
     ref = mok_jax.experts(up(x), ids, w, up(wg), up(wu), up(wd), token_mask=mask,
                           shared_experts=None if sh is None else tuple(map(up, sh)),
                           implementation="xla")
     for _ in range(3):  # the generation counters carry over between calls
-        y1 = np.asarray(peer(x, ids, w, wg, wu, wd))
-        np.testing.assert_array_equal(y1.view(np.uint16), y0.view(np.uint16))
+        (_, y1), g1 = peer(x, w, wg, wu, wd, sh)
+        np.testing.assert_array_equal(np.asarray(y1).view(np.uint16), np.asarray(y0).view(np.uint16))
     assert_close("peer y", y1, ref, jnp.bfloat16)
+    names = ("dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down", "shared")
+    for name, a, b in zip(names, g1, g0):
+        for la, lb in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            if bitwise_grads:
+                np.testing.assert_array_equal(np.asarray(la, np.float32), np.asarray(lb, np.float32),
+                                              err_msg=name)
+            else:
+                assert_close(name, la, jnp.asarray(lb, jnp.float32), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("case", JAX_CASES, ids=[str(c) for c in JAX_CASES])
@@ -110,9 +126,36 @@ def test_jax_peer_one_gpu_equals_ep1_bitwise(case):
     _peer_vs_cuda(Mesh(np.array(jax.devices()[:1]), ("expert",)), case)
 
 
+def test_jax_peer_rounds_smaller_than_the_rows():
+    """round_rows = 128 (the FFI calls directly, one rank): many rounds, the
+    weight gradients summed over them in fp32 (several-rounds path); the
+    forward bitwise, the gradients as the EP=1 backward's (bf16 tolerance)."""
+    _need_jax_cuda()
+    T, H, F, E, K, Fs = 512, 256, 256, 16, 4, 128
+    x, _, wg, wu, wd, sh = make_problem(T, H, F, E, dtype=jnp.bfloat16, shared_ffn=Fs)
+    ids, _ = _routing("uniform", T, E, K)
+    w = jax.random.uniform(fresh_key(), (T, K), minval=0.1)
+    mask = jnp.ones((T,), jnp.uint8)
+    dy = jax.random.normal(fresh_key(), (T, H)).astype(jnp.bfloat16)
+    inputs = (x, ids, w, mask, wg, wu, wd, *sh)
+    dev = [jax.devices()[0].local_hardware_id]
+    fwd = jax.jit(lambda *a: _ffi.peer_forward_call("cuda", a, dev, 1, 20000, round_rows=128))
+    bwd = jax.jit(lambda dy, *a: _ffi.peer_backward_call("cuda", dy, a, dev, 1, 20000, round_rows=128))
+    y0, *res = _ffi.forward_call("cuda", inputs)
+    g0 = _ffi.backward_call("cuda", dy, inputs, res)
+    y1 = fwd(*inputs)
+    np.testing.assert_array_equal(np.asarray(y1).view(np.uint16), np.asarray(y0).view(np.uint16))
+    g1 = bwd(dy, *inputs)
+    np.testing.assert_array_equal(np.asarray(g1[0]).view(np.uint16), np.asarray(g0[0]).view(np.uint16))
+    np.testing.assert_array_equal(g1[1], g0[1])  # d_topk_weights: per row, no round sums
+    for name, a, b in zip(("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down"), g1[2:], g0[2:]):
+        assert_close(name, a, jnp.asarray(b, jnp.float32), jnp.bfloat16)
+        assert np.all(np.isfinite(np.asarray(a, np.float32)))
+
+
 def test_jax_peer_layer_gradients():
-    """moe_layer with dispatch="peer": forward through the peer target, the
-    backward through the collective rounds; gradients as the EP=1 layer's."""
+    """moe_layer with dispatch="peer" under jax.grad: the layer's gradients as
+    the EP=1 layer's (the router's backward runs in XLA on both)."""
     _need_jax_cuda()
     T, H, F, E, K = 512, 256, 256, 16, 4
     x, router, wg, wu, wd, sh = make_problem(T, H, F, E, dtype=jnp.bfloat16, shared_ffn=128)
@@ -141,4 +184,4 @@ def test_jax_peer_all_gpus_of_the_host():
     mesh = Mesh(np.array(jax.devices()[:n]), ("expert",))
     for case in [(1024 * n, 1024, 512, 8 * n, 4, 0, "uniform"),
                  (256 * n, 1024, 512, 8 * n, 2, 256, "one_rank")]:
-        _peer_vs_cuda(mesh, case)
+        _peer_vs_cuda(mesh, case, bitwise_grads=False)
