@@ -174,6 +174,16 @@ def impl_available(impl, dtype):
     return None
 
 
+def train_step(f, probe):
+    """y and the gradients: a training step needs y (its loss), so y is an
+    output and no path may drop its forward (a forward that keeps no
+    residuals, such as dispatch="peer", would otherwise be dead code)."""
+    def step(*a):
+        y, vjp = jax.vjp(f, *a)
+        return y, vjp(probe)
+    return step
+
+
 def jax_pass_fn(impl, pass_, data, probe):
     """A zero-argument callable running one pass, blocking until done."""
     x, ids, w, wg, wu, wd = data
@@ -184,7 +194,7 @@ def jax_pass_fn(impl, pass_, data, probe):
         g = jax.jit(f)
         return lambda: jax.block_until_ready(g(*diff))
     if pass_ == "fwd+bwd":
-        g = jax.jit(lambda *a: jax.vjp(f, *a)[1](probe))
+        g = jax.jit(train_step(f, probe))
         return lambda: jax.block_until_ready(g(*diff))
     # bwd alone: the forward's residuals are computed once, outside the timing
     _, vjp = jax.jit(lambda *a: jax.vjp(f, *a))(*diff)
@@ -199,8 +209,7 @@ def jax_memory(impl, data, probe):
     call = experts_call(impl)
     f = lambda x, w, wg, wu, wd: call(x, ids, w, wg, wu, wd)
     diff = (x, w, wg, wu, wd)
-    step = lambda *a: jax.vjp(f, *a)[1](probe)
-    return jax_residual_bytes(f, diff), jax_step_peak_bytes(step, diff)
+    return jax_residual_bytes(f, diff), jax_step_peak_bytes(train_step(f, probe), diff)
 
 
 def torch_memory(data, probe):

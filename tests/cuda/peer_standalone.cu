@@ -1,4 +1,4 @@
-// The multi-rank peer-dispatch protocol (ffi/peer_forward.h) on one GPU:
+// The multi-rank peer-dispatch protocol (ffi/peer_forward.h, ffi/peer_backward.h) on one GPU:
 // `ranks` virtual ranks, each with its own stream, control block, workspace,
 // token slice and expert slice, whose peer pointers point at the other ranks'
 // buffers of the same GPU. The kernels that spin are single 32-thread blocks,
@@ -17,6 +17,13 @@
 // poisoned (0xFF) before the calls; several calls run back to back without a
 // host sync (generation counters), ranks are enqueued in a changing order and
 // one of them late.
+//
+// Backward (after the forward calls of each case): every rank's d_x and
+// d_topk_weights must be bitwise the EP = 1 backward's (mok::cuda::backward
+// on the staged forward's residuals; per-row math on the same rows); its
+// experts' weight gradients and the shared expert's (summed over ranks)
+// within relative L2 1e-2 of EP = 1, and bitwise where one round held every
+// row (the diff counts are printed).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -30,7 +37,9 @@
 #include <thread>
 #include <vector>
 
+#include "../../ffi/backward_cuda.h"
 #include "../../ffi/forward_cuda.h"
+#include "../../ffi/peer_backward.h"
 #include "../../ffi/peer_forward.h"
 
 using mok::Problem;
@@ -343,6 +352,8 @@ static std::vector<uint16_t> gather_y(const Case& c, Ranks& r) {
   return y;
 }
 
+static bool check_backward(const Case& c, const Device& d, Ranks& r, cudaStream_t st, uint64_t seed);
+
 static bool check_case(const Case& c, uint64_t seed) {
   Inputs in;
   make_inputs(c, seed, in);
@@ -383,12 +394,154 @@ static bool check_case(const Case& c, uint64_t seed) {
                 c.ranks, phase, (long long)mc::peer_rounds(r.p, c.ranks, r.C), (long long)diff, rel,
                 pass ? "PASS" : "FAIL");
   }
+  ok = check_backward(c, d, r, st, seed) && ok;
   free_ranks(r);
   for (void* q : {(void*)d.x, (void*)d.wg, (void*)d.wu, (void*)d.wd, (void*)d.sg, (void*)d.su, (void*)d.sd,
                   (void*)d.ids, (void*)d.tw, (void*)d.mask})
     CK(cudaFree(q));
   CK(cudaStreamDestroy(st));
   return ok;
+}
+
+template <typename T>
+static std::vector<T> download(const void* d, size_t n) {
+  std::vector<T> v(n);
+  CK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+static double rel_l2(const std::vector<double>& got, const std::vector<double>& want) {
+  double e2 = 0, r2 = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    e2 += (got[i] - want[i]) * (got[i] - want[i]);
+    r2 += want[i] * want[i];
+  }
+  return r2 > 0 ? std::sqrt(e2 / r2) : std::sqrt(e2);
+}
+
+static std::vector<double> as_double(const std::vector<uint16_t>& v) {
+  std::vector<double> d(v.size());
+  for (size_t i = 0; i < v.size(); ++i) d[i] = bf2d(v[i]);
+  return d;
+}
+
+// The gradients of one backward, on the host.
+struct Grads {
+  std::vector<uint16_t> dx, dwg, dwu, dwd, dsg, dsu, dsd;
+  std::vector<float> dtw;
+};
+
+// The EP = 1 backward over all ranks' tokens, on the staged forward's residuals.
+static Grads ep1_backward(const Case& c, const Device& d, const uint16_t* dy, cudaStream_t st) {
+  Ep1 f(c, d);
+  f.launch(st);
+  const Problem& p = f.p;
+  const int64_t T = p.tokens, H = c.H, F = c.F, E = c.E, K = c.K, Fs = std::max<int64_t>(c.Fs, 8);
+  const int64_t R = p.row_capacity();
+  std::vector<void*> bufs;
+  auto take = [&](size_t n) {
+    bufs.push_back(dalloc(n));
+    CK(cudaMemset(bufs.back(), 0xFF, n));  // poisoned
+    return bufs.back();
+  };
+  mok::BackwardArgs b{};
+  b.dy = dy;
+  b.fwd = f.a;
+  b.dx = take(T * H * 2);
+  b.d_topk_weights = static_cast<float*>(take(T * K * 4));
+  b.dw_gate = take(E * H * F * 2);
+  b.dw_up = take(E * H * F * 2);
+  b.dw_down = take(E * F * H * 2);
+  b.dws_gate = take(H * Fs * 2);
+  b.dws_up = take(H * Fs * 2);
+  b.dws_down = take(Fs * H * 2);
+  b.d_gate_rows = take(R * F * 2);
+  b.d_up_rows = take(R * F * 2);
+  b.d_shared_gate = take(T * Fs * 2);
+  b.d_shared_up = take(T * Fs * 2);
+  void* ws = take(mc::backward_workspace_bytes(p));
+  CHECK_MSG(mc::backward(p, b, ws, st));
+  CK(cudaStreamSynchronize(st));
+  Grads g;
+  g.dx = download<uint16_t>(b.dx, T * H);
+  g.dtw = download<float>(b.d_topk_weights, T * K);
+  g.dwg = download<uint16_t>(b.dw_gate, E * H * F);
+  g.dwu = download<uint16_t>(b.dw_up, E * H * F);
+  g.dwd = download<uint16_t>(b.dw_down, E * F * H);
+  g.dsg = download<uint16_t>(b.dws_gate, H * c.Fs);
+  g.dsu = download<uint16_t>(b.dws_up, H * c.Fs);
+  g.dsd = download<uint16_t>(b.dws_down, c.Fs * H);
+  for (void* q : bufs) CK(cudaFree(q));
+  return g;
+}
+
+// Every rank's peer backward (enqueued in reverse order, rank 0 late), the
+// ranks' gradients concatenated (dx, d_topk_weights, expert gradients) or
+// summed in double (shared expert).
+static bool check_backward(const Case& c, const Device& d, Ranks& r, cudaStream_t st, uint64_t seed) {
+  const int64_t T = c.Tl * c.ranks, H = c.H, F = c.F, K = c.K, El = c.E / c.ranks, Fs = c.Fs;
+  std::vector<uint16_t> dy_h;
+  fill(dy_h, T * H, 1.0f, seed + 77);
+  uint16_t* dy = upload(dy_h);
+  const Grads ref = ep1_backward(c, d, dy, st);
+  struct Out { void *dx, *dtw, *dwg, *dwu, *dwd, *dsg, *dsu, *dsd, *ws; };
+  std::vector<Out> outs(r.n);
+  for (int s = 0; s < r.n; ++s) {
+    const size_t wsb = mc::peer_backward_workspace_bytes(r.p, c.ranks, r.C);
+    Out& o = outs[s];
+    void** all[] = {&o.dx, &o.dtw, &o.dwg, &o.dwu, &o.dwd, &o.dsg, &o.dsu, &o.dsd, &o.ws};
+    const size_t bytes[] = {size_t(c.Tl * H * 2), size_t(c.Tl * K * 4), size_t(El * H * F * 2), size_t(El * H * F * 2),
+                            size_t(El * F * H * 2), size_t(H * Fs * 2),     size_t(H * Fs * 2),     size_t(Fs * H * 2),
+                            wsb};
+    for (int i = 0; i < 9; ++i) {
+      *all[i] = dalloc(bytes[i]);
+      CK(cudaMemset(*all[i], 0xFF, std::max<size_t>(16, bytes[i])));
+    }
+  }
+  CK(cudaDeviceSynchronize());
+  for (int q = r.n - 1; q >= 0; --q) {
+    const int s = q;
+    if (s == 0 && r.n > 1) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    const Out& o = outs[s];
+    mc::PeerBackwardArgs b{dy + s * c.Tl * H, r.args[s], o.dx, static_cast<float*>(o.dtw), o.dwg, o.dwu, o.dwd,
+                           o.dsg, o.dsu, o.dsd};
+    CHECK_MSG(mc::peer_backward(r.p, r.group[s], b, o.ws, r.C, r.st[s]));
+  }
+  for (int s = 0; s < r.n; ++s) CK(cudaStreamSynchronize(r.st[s]));
+  CK(cudaGetLastError());
+  Grads got;
+  std::vector<double> sg(H * Fs, 0.0), su(H * Fs, 0.0), sd(Fs * H, 0.0);
+  for (int s = 0; s < r.n; ++s) {
+    const Out& o = outs[s];
+    auto append = [](std::vector<uint16_t>& v, const std::vector<uint16_t>& part) { v.insert(v.end(), part.begin(), part.end()); };
+    append(got.dx, download<uint16_t>(o.dx, c.Tl * H));
+    const auto dtw = download<float>(o.dtw, c.Tl * K);
+    got.dtw.insert(got.dtw.end(), dtw.begin(), dtw.end());
+    append(got.dwg, download<uint16_t>(o.dwg, El * H * F));
+    append(got.dwu, download<uint16_t>(o.dwu, El * H * F));
+    append(got.dwd, download<uint16_t>(o.dwd, El * F * H));
+    const auto a = download<uint16_t>(o.dsg, H * Fs), b = download<uint16_t>(o.dsu, H * Fs),
+               e = download<uint16_t>(o.dsd, Fs * H);
+    for (int64_t i = 0; i < H * Fs; ++i) sg[i] += bf2d(a[i]), su[i] += bf2d(b[i]), sd[i] += bf2d(e[i]);
+    for (void* q : {o.dx, o.dtw, o.dwg, o.dwu, o.dwd, o.dsg, o.dsu, o.dsd, o.ws}) CK(cudaFree(q));
+  }
+  CK(cudaFree(dy));
+  int64_t dx_diff = 0, dtw_diff = 0, dw_diff = 0;
+  for (size_t i = 0; i < got.dx.size(); ++i) dx_diff += got.dx[i] != ref.dx[i];
+  for (size_t i = 0; i < got.dtw.size(); ++i) dtw_diff += std::memcmp(&got.dtw[i], &ref.dtw[i], 4) != 0;
+  for (size_t i = 0; i < got.dwg.size(); ++i)
+    dw_diff += (got.dwg[i] != ref.dwg[i]) + (got.dwu[i] != ref.dwu[i]) + (got.dwd[i] != ref.dwd[i]);
+  double dw_rel = std::max({rel_l2(as_double(got.dwg), as_double(ref.dwg)), rel_l2(as_double(got.dwu), as_double(ref.dwu)),
+                            rel_l2(as_double(got.dwd), as_double(ref.dwd))});
+  double sh_rel = 0;
+  if (Fs > 0)
+    sh_rel = std::max({rel_l2(sg, as_double(ref.dsg)), rel_l2(su, as_double(ref.dsu)), rel_l2(sd, as_double(ref.dsd))});
+  const bool pass = dx_diff == 0 && dtw_diff == 0 && dw_rel <= 1e-2 && sh_rel <= 1e-2;
+  std::printf("  %-22s ranks=%d backward rounds=%lld  bitwise-vs-EP1 diffs dx=%lld dtw=%lld dW=%lld  relL2 dW=%.2e "
+              "shared=%.2e  %s\n", c.name, c.ranks, (long long)mc::peer_rounds(r.p, c.ranks, r.C), (long long)dx_diff,
+              (long long)dtw_diff, (long long)dw_diff, dw_rel, sh_rel, pass ? "PASS" : "FAIL");
+  return pass;
 }
 
 static int lost_peer() {
