@@ -159,9 +159,18 @@ cuda::PeerForwardArgs peer_args(const ForwardArgs& a) {
 // the workspace is an XLA output. Not marked command-buffer compatible: the
 // process's first call initialises the runtime (allocation, preload,
 // synchronisation), which a capture forbids.
+// The forward keeps round 0's gate/up pre-activations ([round_rows, F] each,
+// two more results) for the backward, which takes them as two more operands.
+std::string check_kept(const Problem& p, int64_t C, const Buf& gate, const Buf& up) {
+  const int64_t want = C * p.ffn * 2;
+  if (static_cast<int64_t>(gate.size_bytes()) != want || static_cast<int64_t>(up.size_bytes()) != want)
+    return "kept pre-activations must be [round_rows=" + std::to_string(C) + ", F] bfloat16";
+  return {};
+}
+
 ffi::Error PeerForwardCuda(cudaStream_t stream, Buf x, Buf ids, Buf w, Buf mask, Buf wg, Buf wu, Buf wd, Buf wsg,
-                           Buf wsu, Buf wsd, Ret y, Ret workspace, ffi::Span<const int32_t> devices, int32_t ranks,
-                           int32_t timeout_ms, int32_t round_rows) {
+                           Buf wsu, Buf wsd, Ret y, Ret workspace, Ret keep_gate, Ret keep_up,
+                           ffi::Span<const int32_t> devices, int32_t ranks, int32_t timeout_ms, int32_t round_rows) {
   return run_peer_forward(
       Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd}, y, ranks,
       [&](const Problem& p, const ForwardArgs& a) -> std::string {
@@ -170,16 +179,19 @@ ffi::Error PeerForwardCuda(cudaStream_t stream, Buf x, Buf ids, Buf w, Buf mask,
         if (std::string e = peer_setup(p, devices, ranks, timeout_ms, round_rows, &group, &C); !e.empty()) return e;
         if (std::string e = check_workspace(workspace, cuda::peer_forward_workspace_bytes(p, ranks, C)); !e.empty())
           return e;
-        if (const char* err = cuda::peer_forward(p, group, peer_args(a), workspace->untyped_data(), C, stream))
-          return err;
+        if (std::string e = check_kept(p, C, *keep_gate, *keep_up); !e.empty()) return e;
+        cuda::PeerForwardArgs pa = peer_args(a);
+        pa.keep_gate = keep_gate->untyped_data();
+        pa.keep_up = keep_up->untyped_data();
+        if (const char* err = cuda::peer_forward(p, group, pa, workspace->untyped_data(), C, stream)) return err;
         return {};
       });
 }
 
 ffi::Error PeerBackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf mask, Buf wg, Buf wu, Buf wd,
                             Buf wsg, Buf wsu, Buf wsd, Ret dx, Ret dw, Ret dwg, Ret dwu, Ret dwd, Ret dwsg,
-                            Ret dwsu, Ret dwsd, Ret workspace, ffi::Span<const int32_t> devices, int32_t ranks,
-                            int32_t timeout_ms, int32_t round_rows) {
+                            Ret dwsu, Ret dwsd, Ret workspace, Buf kept_gate, Buf kept_up,
+                            ffi::Span<const int32_t> devices, int32_t ranks, int32_t timeout_ms, int32_t round_rows) {
   return run_peer_backward(
       dy, Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd}, dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd, ranks,
       [&](const Problem& p, const BackwardArgs& a) -> std::string {
@@ -189,8 +201,10 @@ ffi::Error PeerBackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, 
         if (std::string e = check_workspace(workspace, cuda::peer_backward_workspace_bytes(p, ranks, C));
             !e.empty())
           return e;
+        if (std::string e = check_kept(p, C, kept_gate, kept_up); !e.empty()) return e;
         cuda::PeerBackwardArgs b{a.dy,      peer_args(a.fwd), a.dx,       a.d_topk_weights, a.dw_gate,
-                                 a.dw_up,   a.dw_down,        a.dws_gate, a.dws_up,         a.dws_down};
+                                 a.dw_up,   a.dw_down,        a.dws_gate, a.dws_up,         a.dws_down,
+                                 kept_gate.untyped_data(),    kept_up.untyped_data()};
         if (const char* err = cuda::peer_backward(p, group, b, workspace->untyped_data(), C, stream)) return err;
         return {};
       });
@@ -203,6 +217,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokPeerFwdCuda, mok::PeerForwardCuda,
     mok::BindPeerForward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
         .Ret<mok::Buf>()  // + workspace
+        .Ret<mok::Buf>()  // + round 0's gate_pre [round_rows, F], kept for the backward
+        .Ret<mok::Buf>()  // + round 0's up_pre
         .Attr<xla::ffi::Span<const int32_t>>("devices")
         .Attr<int32_t>("ranks")
         .Attr<int32_t>("timeout_ms")
@@ -212,6 +228,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokPeerBwdCuda, mok::PeerBackwardCuda,
     mok::BindPeerBackward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
         .Ret<mok::Buf>()  // + workspace
+        .Arg<mok::Buf>()  // + the forward's kept gate_pre of round 0
+        .Arg<mok::Buf>()  // + and up_pre
         .Attr<xla::ffi::Span<const int32_t>>("devices")
         .Attr<int32_t>("ranks")
         .Attr<int32_t>("timeout_ms")
@@ -274,6 +292,15 @@ NB_MODULE(_mok_cuda, m) {
     p.dtype = mok::DType::kBF16;
     const int64_t C = round_rows > 0 ? round_rows : mok::cuda::peer_default_round_rows(p, ranks);
     return mok::cuda::peer_backward_workspace_bytes(p, ranks, C);
+  });
+  // The round size a peer call uses (round_rows 0 = the default): the kept
+  // pre-activations are [peer_round_rows, F].
+  m.def("peer_round_rows", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs, int32_t ranks,
+                              int64_t round_rows) -> int64_t {
+    mok::Problem p;
+    p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
+    p.dtype = mok::DType::kBF16;
+    return round_rows > 0 ? round_rows : mok::cuda::peer_default_round_rows(p, ranks);
   });
   m.def("captured_calls", []() { return mok::g_captured_calls.load(); });
   m.def("backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K,

@@ -232,7 +232,8 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
     if (const char* e = detail::launch_peer_pull_rows(u64(L.dy_t), p.tokens, K, H, row_pair, total, row0, C, dyg,
                                                       sms, stream))
       return e;
-    GroupedGemmArgs gu;  // recompute the pre-activations
+    const bool kept = r == 0 && a.kept_gate != nullptr && a.kept_up != nullptr;
+    GroupedGemmArgs gu;  // recompute the pre-activations (unless the forward kept them)
     gu.a = xg;
     gu.m_rows = C;
     gu.k = H;
@@ -244,7 +245,8 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
     gu.out0 = ws + L.gate;
     gu.out1 = ws + L.up;
     gu.out2 = ws + L.act;
-    if (const char* e = launch_grouped_gemm(GemmEpilogue::kGateUpSwiGLU, gu, sms, stream)) return e;
+    if (!kept)
+      if (const char* e = launch_grouped_gemm(GemmEpilogue::kGateUpSwiGLU, gu, sms, stream)) return e;
     DgradArgs dd;  // gd = dy @ w_down^T, SwiGLU backward, w * a, partial dots
     dd.a0 = dyg;
     dd.m_rows = C;
@@ -253,8 +255,8 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
     dd.groups = El;
     dd.n = F;
     dd.tile_group = gu.tile_group;
-    dd.gate_pre = ws + L.gate;
-    dd.up_pre = ws + L.up;
+    dd.gate_pre = kept ? a.kept_gate : ws + L.gate;
+    dd.up_pre = kept ? a.kept_up : ws + L.up;
     dd.row_pair = row_pair + row0;
     dd.pair_weight = f32(L.w_all);
     dd.out0 = dg;

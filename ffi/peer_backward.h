@@ -10,7 +10,8 @@
 //   shared    the shared expert's forward pre-activations and backward over
 //             d's own tokens (backward_cuda.h), while peers pull.
 //   rounds    of `round_rows` rows: pull x and dy rows from their owners ->
-//             gate/up GEMM (recompute) -> down dgrad + SwiGLU backward (row
+//             gate/up GEMM (recompute; round 0 uses the forward's kept
+//             pre-activations when given, so a balanced load recomputes nothing) -> down dgrad + SwiGLU backward (row
 //             weights from the gathered weights; partial dots <gd, a>) ->
 //             weight gradients over the round's rows of each expert -> gate +
 //             up dgrad -> push every d_x row and its partial dots to the
@@ -46,6 +47,10 @@ struct PeerBackwardArgs {
   void* dws_gate;             // [H, Fs] this rank's tokens' share (summed over ranks by the caller)
   void* dws_up;
   void* dws_down;
+  // Optional: round 0's pre-activations kept by the forward (keep_gate /
+  // keep_up of PeerForwardArgs, same round_rows): round 0 is not recomputed.
+  const void* kept_gate = nullptr;
+  const void* kept_up = nullptr;
 };
 
 size_t peer_backward_workspace_bytes(const Problem& local, int ranks, int64_t round_rows);

@@ -175,8 +175,9 @@ const char* peer_forward(const Problem& p, const PeerGroup& group, const PeerFor
     gu.groups = El;
     gu.n = p.ffn;
     gu.tile_group = tile_expert + row0 / g.tile_rows;
-    gu.out0 = ws + L.gate;
-    gu.out1 = ws + L.up;
+    const bool keep = r == 0 && a.keep_gate != nullptr && a.keep_up != nullptr;
+    gu.out0 = keep ? a.keep_gate : ws + L.gate;
+    gu.out1 = keep ? a.keep_up : ws + L.up;
     gu.out2 = ws + L.act;
     if (const char* e = launch_grouped_gemm(GemmEpilogue::kGateUpSwiGLU, gu, sms, stream)) return e;
     GroupedGemmArgs dn;

@@ -93,6 +93,10 @@ struct PeerForwardArgs {
   const void* ws_up;
   const void* ws_down;
   void* y;                    // [T_l, H]
+  // Optional [round_rows, F] each: round 0's gate/up pre-activations, kept
+  // for the backward (which then recomputes rounds >= 1 only). nullptr: not kept.
+  void* keep_gate = nullptr;
+  void* keep_up = nullptr;
 };
 
 // The problem one rank schedules: all ranks' tokens, its own experts.

@@ -184,7 +184,9 @@ def peer_forward_call(platform, inputs, devices, ranks, timeout_ms, round_rows=0
 
     inputs as in forward_call, w_* holding this rank's E/ranks experts and
     topk_ids global ids. devices: the device ordinals of every expert-axis
-    group, rank-major ([groups * ranks]); the handler finds its own. Returns y.
+    group, rank-major ([groups * ranks]); the handler finds its own. Returns
+    (y, kept): kept is round 0's gate/up pre-activations ([round_rows, F]
+    each) on CUDA, for peer_backward_call, and () on CPU (which recomputes).
     """
     x, ids, _, _, wg, _, _, wsg, _, _ = inputs
     types = [_result(x.shape, x.dtype, x)]
@@ -193,22 +195,25 @@ def peer_forward_call(platform, inputs, devices, ranks, timeout_ms, round_rows=0
     if platform == "cuda":
         T, H = x.shape
         E_l, _, F = wg.shape
-        nbytes = _mok_cuda.peer_forward_workspace_bytes(
-            T, H, F, E_l * ranks, ids.shape[1], wsg.shape[1], ranks, round_rows)
+        dims = (T, H, F, E_l * ranks, ids.shape[1], wsg.shape[1], ranks, round_rows)
+        nbytes = _mok_cuda.peer_forward_workspace_bytes(*dims)
         if nbytes == 0:
             raise ValueError(f"dispatch='peer': the CUDA peer forward rejects this problem "
                              f"(T={T}, H={H}, F={F}, E={E_l * ranks}, ranks={ranks}, "
                              f"round_rows={round_rows})")
-        types.append(_result((nbytes,), np.uint8, x))
+        C = _mok_cuda.peer_round_rows(*dims)
+        types += [_result((nbytes,), np.uint8, x), _result((C, F), x.dtype, x),
+                  _result((C, F), x.dtype, x)]
         attrs["round_rows"] = np.int32(round_rows)
     outs = jax.ffi.ffi_call(f"mok_peer_fwd_{platform}", types,
                             vmap_method="sequential")(*inputs, **attrs)
-    return outs[0]
+    return outs[0], tuple(outs[2:])
 
 
-def peer_backward_call(platform, dy, inputs, devices, ranks, timeout_ms, round_rows=0):
+def peer_backward_call(platform, dy, inputs, kept, devices, ranks, timeout_ms, round_rows=0):
     """The peer-dispatch backward of one rank (ffi/peer_cpu.h, ffi/peer_backward.h):
-    recomputes what it needs (the forward kept nothing). Returns dx,
+    kept is the forward's (same round_rows); what it did not keep is
+    recomputed. Returns dx,
     d_topk_weights and the 6 weight gradients (this rank's experts; the shared
     expert's for this rank's tokens only, to be summed over the token axes)."""
     x, ids = inputs[0], inputs[1]
@@ -228,5 +233,5 @@ def peer_backward_call(platform, dy, inputs, devices, ranks, timeout_ms, round_r
         types.append(_result((nbytes,), np.uint8, x))
         attrs["round_rows"] = np.int32(round_rows)
     outs = jax.ffi.ffi_call(f"mok_peer_bwd_{platform}", types,
-                            vmap_method="sequential")(dy, *inputs, **attrs)
+                            vmap_method="sequential")(dy, *inputs, *kept, **attrs)
     return tuple(outs[:8])

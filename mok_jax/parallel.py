@@ -252,7 +252,7 @@ def _union_axes(arrays):
 def rank_forward(cfg, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
     """Per-rank forward (inside a manual context over cfg.axis)."""
     if cfg.dispatch == "peer":
-        return _peer_rank_forward(cfg, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd)
+        return _peer_rank_forward(cfg, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd)[0]
     T, H = x.shape
     K = ids.shape[1]
     El = wg.shape[0]
@@ -297,32 +297,49 @@ def _peer_rank_forward(cfg, x, ids, weights, mask, *weights_all):
     """The peer dispatch: one FFI call per rank pulls the rows routed to this
     rank's experts from their owners, pushes the results back and combines
     its own tokens (ffi/peer_cpu.h on CPU devices, ffi/peer_forward.h on GPUs).
-    Nothing is kept for the backward (_peer_rank_backward recomputes)."""
+    Returns (y, kept): on CUDA, round 0's gate/up pre-activations for the
+    backward (a balanced load then recomputes nothing); () on CPU."""
     inputs = [x, ids, weights, mask.astype(jnp.uint8), *weights_all]
     axes = _union_axes(inputs)
     inputs, _ = _ffi.reconcile_varying(inputs)
-    y = _ffi.peer_forward_call(cfg.impl, inputs, cfg.peer_devices, cfg.ep, PEER_TIMEOUT_MS)
-    return _vary(y, axes)
+    y, kept = _ffi.peer_forward_call(cfg.impl, inputs, cfg.peer_devices, cfg.ep, PEER_TIMEOUT_MS)
+    return _vary(y, axes), tuple(_vary(k, axes) for k in kept)
 
 
-def _peer_rank_backward(cfg, dy, x, ids, weights, mask, *weights_all):
+def _rank_forward_kept(cfg, *inputs):
+    """(y, *kept) of one rank: the mesh forward's outputs (kept feeds the backward)."""
+    if cfg.dispatch == "peer":
+        y, kept = _peer_rank_forward(cfg, *inputs)
+        return (y, *kept)
+    return (rank_forward(cfg, *inputs),)
+
+
+def _n_kept(cfg):
+    return 2 if cfg.dispatch == "peer" and cfg.impl == "cuda" else 0
+
+
+def _peer_rank_backward(cfg, dy, x, ids, weights, mask, *weights_all, kept=()):
     """The peer dispatch's backward: one FFI call per rank pulls x and dy rows
     for its experts, recomputes their pre-activations, writes its experts'
     weight gradients and pushes every d_x row and d_topk_weight back to its
     owner, who combines them with its shared expert's."""
-    inputs = [dy, x, ids, weights, mask.astype(jnp.uint8), *weights_all]
+    inputs = [dy, x, ids, weights, mask.astype(jnp.uint8), *weights_all, *kept]
     axes = _union_axes(inputs)
     (dy, *inputs), _ = _ffi.reconcile_varying(inputs)
-    g = _ffi.peer_backward_call(cfg.impl, dy, inputs, cfg.peer_devices, cfg.ep, PEER_TIMEOUT_MS)
+    inputs, kept = inputs[:10], inputs[10:]
+    g = _ffi.peer_backward_call(cfg.impl, dy, inputs, kept, cfg.peer_devices, cfg.ep,
+                                PEER_TIMEOUT_MS)
     dx, dw = g[0], g[1]
     return tuple(_vary(a, axes) for a in (dx, dw, *(w.astype(jnp.float32) for w in g[2:])))
 
 
-def rank_backward(cfg, dy, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
+def rank_backward(cfg, dy, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd, kept=()):
     """Per-rank backward: (dx, d_topk_weights, dwg, dwu, dwd, dwsg, dwsu, dwsd),
-    float32 accumulators for the weights, before any cross-rank sum."""
+    float32 accumulators for the weights, before any cross-rank sum. kept:
+    what the forward kept for it (peer dispatch on CUDA only)."""
     if cfg.dispatch == "peer":
-        return _peer_rank_backward(cfg, dy, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd)
+        return _peer_rank_backward(cfg, dy, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd,
+                                   kept=kept)
     T, H = x.shape
     K = ids.shape[1]
     El = wg.shape[0]
@@ -413,17 +430,23 @@ def _ep_mesh(cfg, *inputs):
     return _ep_mesh_fwd(cfg, *inputs)[0]
 
 
+def _kept_spec(cfg):
+    return P(cfg.token_axes, None)  # one [round_rows, F] block per token shard
+
+
 def _ep_mesh_fwd(cfg, *inputs):
     specs = _specs(cfg)
     # jit: an eager shard_map would compile each op alone (and jax 0.11.2's
     # Shardy pass crashes on some of those single-op computations).
-    f = jax.jit(jax.shard_map(partial(rank_forward, cfg), mesh=cfg.mesh, in_specs=specs,
-                              out_specs=specs[0]))
-    return f(*inputs), inputs
+    f = jax.jit(jax.shard_map(partial(_rank_forward_kept, cfg), mesh=cfg.mesh, in_specs=specs,
+                              out_specs=(specs[0],) + (_kept_spec(cfg),) * _n_kept(cfg)))
+    y, *kept = f(*inputs)
+    return y, (inputs, tuple(kept))
 
 
-def _mesh_rank_backward(cfg, dy, *inputs):
-    dx, dw, gg, gu, gd, gsg, gsu, gsd = rank_backward(cfg, dy, *inputs)
+def _mesh_rank_backward(cfg, dy, *operands):
+    inputs, kept = operands[:10], operands[10:]
+    dx, dw, gg, gu, gd, gsg, gsu, gsd = rank_backward(cfg, dy, *inputs, kept=kept)
     if cfg.psum_expert_axes:  # expert weights are replicated over the data axes
         gg, gu, gd = (jax.lax.psum(a, cfg.psum_expert_axes) for a in (gg, gu, gd))
     gsg, gsu, gsd = (jax.lax.psum(a, cfg.psum_shared_axes) for a in (gsg, gsu, gsd))
@@ -432,12 +455,14 @@ def _mesh_rank_backward(cfg, dy, *inputs):
             *_cast_like((gg, gu, gd, gsg, gsu, gsd), (wg, wu, wd, wsg, wsu, wsd)))
 
 
-def _ep_mesh_bwd(cfg, inputs, dy):
+def _ep_mesh_bwd(cfg, res, dy):
+    inputs, kept = res
     specs = _specs(cfg)
     out_specs = (specs[0], specs[2], *specs[4:])
     f = jax.jit(jax.shard_map(partial(_mesh_rank_backward, cfg), mesh=cfg.mesh,
-                              in_specs=(specs[0], *specs), out_specs=out_specs))
-    dx, dw, gg, gu, gd, gsg, gsu, gsd = f(dy, *inputs)
+                              in_specs=(specs[0], *specs) + (_kept_spec(cfg),) * len(kept),
+                              out_specs=out_specs))
+    dx, dw, gg, gu, gd, gsg, gsu, gsd = f(dy, *inputs, *kept)
     return dx, None, dw, None, gg, gu, gd, gsg, gsu, gsd
 
 

@@ -130,9 +130,10 @@ def test_jax_peer_one_gpu_equals_ep1_bitwise(case):
 
 
 def test_jax_peer_rounds_smaller_than_the_rows():
-    """round_rows = 128 (the FFI calls directly, one rank): many rounds, the
-    weight gradients summed over them in fp32 (several-rounds path); the
-    forward bitwise, the gradients as the EP=1 backward's (bf16 tolerance)."""
+    """round_rows = 128 (the FFI calls directly, one rank): many rounds, round 0
+    from the forward's kept pre-activations and the others recomputed, the
+    weight gradients summed over rounds in fp32; the forward bitwise, d_x and
+    d_topk_weights bitwise, the weight gradients within the bf16 tolerance."""
     _need_jax_cuda()
     T, H, F, E, K, Fs = 512, 256, 256, 16, 4, 128
     x, _, wg, wu, wd, sh = make_problem(T, H, F, E, dtype=jnp.bfloat16, shared_ffn=Fs)
@@ -143,12 +144,14 @@ def test_jax_peer_rounds_smaller_than_the_rows():
     inputs = (x, ids, w, mask, wg, wu, wd, *sh)
     dev = [jax.devices()[0].local_hardware_id]
     fwd = jax.jit(lambda *a: _ffi.peer_forward_call("cuda", a, dev, 1, 20000, round_rows=128))
-    bwd = jax.jit(lambda dy, *a: _ffi.peer_backward_call("cuda", dy, a, dev, 1, 20000, round_rows=128))
+    bwd = jax.jit(lambda dy, kept, *a: _ffi.peer_backward_call("cuda", dy, a, kept, dev, 1, 20000,
+                                                               round_rows=128))
     y0, *res = _ffi.forward_call("cuda", inputs)
     g0 = _ffi.backward_call("cuda", dy, inputs, res)
-    y1 = fwd(*inputs)
+    y1, kept = fwd(*inputs)  # round 0 kept, rounds >= 1 recomputed by the backward
+    assert [k.shape for k in kept] == [(128, F), (128, F)]
     np.testing.assert_array_equal(np.asarray(y1).view(np.uint16), np.asarray(y0).view(np.uint16))
-    g1 = bwd(dy, *inputs)
+    g1 = bwd(dy, kept, *inputs)
     np.testing.assert_array_equal(np.asarray(g1[0]).view(np.uint16), np.asarray(g0[0]).view(np.uint16))
     np.testing.assert_array_equal(g1[1], g0[1])  # d_topk_weights: per row, no round sums
     for name, a, b in zip(("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down"), g1[2:], g0[2:]):
