@@ -56,9 +56,10 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
         the mesh's other axes); must include expert_axis; T must divide evenly.
       dispatch: "collective" (XLA all_to_all rounds around the local kernel),
         "peer" (mesh= only, devices of this process, implementation "cuda" or
-        "cpu": each rank's forward kernel pulls its experts' rows straight
-        from the owners' memory and writes the results back; the backward is
-        the collective one), or "auto" (= "collective" for now). Without a
+        "cpu": each rank's forward and backward kernels pull their experts'
+        rows straight from the owners' memory and write the results back),
+        or "auto" (= "collective" until the peer path has run on several
+        GPUs). Without a
         mesh or axis_name there is one rank and dispatch has no effect.
       axis_name: inside your own shard_map: the expert axis. Then w_* are this
         rank's ``[E/EP, ...]`` block (expert e on rank e // (E/EP)),

@@ -29,11 +29,13 @@ Nothing per round is saved between forward and backward (the custom_vjp
 residuals are the inputs only), so activation memory does not grow with the
 number of rounds.
 
-``dispatch="peer"`` (mesh mode) replaces the forward's rounds by one FFI call
-per rank (``_ffi.peer_forward_call``): the rank's kernel pulls the rows routed
-to its experts straight from their owners (peer pointers on GPUs, host
-memory on CPU devices), pushes the results back and combines its own tokens
-(ffi/peer_forward.h, ffi/peer_cpu.h). Its backward is the collective one above.
+``dispatch="peer"`` (mesh mode) replaces the rounds by one FFI call per rank in
+the forward (``_ffi.peer_forward_call``) and one in the backward
+(``_ffi.peer_backward_call``): the rank's kernels pull the rows routed to its
+experts straight from their owners (peer pointers on GPUs, host memory on CPU
+devices), push the results back and combine its own tokens
+(ffi/peer_forward.h, ffi/peer_backward.h, ffi/peer_cpu.h). On CUDA the
+forward also keeps round 0's gate/up pre-activations for the backward.
 """
 
 from __future__ import annotations
