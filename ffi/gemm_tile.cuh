@@ -107,6 +107,10 @@ struct TileStore {
   int m_rows;  // rows of the output (bound)
   int n;       // columns of the output (row pitch)
   bool keep[2];
+  // Optional [m_rows] address of each output row (0: the row is not stored),
+  // in place of out + row * n: rows go straight to where they belong (the
+  // peer dispatch's owners' return rows, over NVLink).
+  const uint64_t* row_dst = nullptr;
 
   __device__ __forceinline__ void put(int gg, int h, float v0, float v1) const {
     *reinterpret_cast<uint32_t*>(stg + ((lane >> 2) + h * 8) * kStgPitch + gg * 16 + (lane & 3) * 4) =
@@ -120,7 +124,11 @@ struct TileStore {
       const int r = idx >> 3, c = idx & 7;
       const int row = wrow0 + r, col = col0 + c * 8;
       const uint4 v = *reinterpret_cast<const uint4*>(stg + r * kStgPitch + c * 16);
-      if (row < m_rows && col < n) *reinterpret_cast<uint4*>(out + static_cast<size_t>(row) * n + col) = v;
+      if (row < m_rows && col < n) {
+        __nv_bfloat16* dst = out + static_cast<size_t>(row) * n;
+        if (row_dst != nullptr) dst = reinterpret_cast<__nv_bfloat16*>(row_dst[row]);
+        if (dst != nullptr) *reinterpret_cast<uint4*>(dst + col) = v;
+      }
     }
     __syncwarp();
   }

@@ -84,6 +84,7 @@ struct KParams {
   __nv_bfloat16* out0;
   __nv_bfloat16* out1;
   __nv_bfloat16* out2;
+  const uint64_t* row_dst;  // kStore: per-row destinations, or nullptr
   int zero_unused;
 };
 
@@ -229,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool unused = g_self < 0;  // computed only to keep the pair in lock-step
       if (unused && !p.zero_unused) continue;
       const int wrow0 = mt * kBM + cw * 64 + warp * 16;  // first row of this warp
-      tile::TileStore ts{stg, lane, wrow0, p.m_rows, p.n, {false, false}};
+      tile::TileStore ts{stg, lane, wrow0, p.m_rows, p.n, {false, false}, p.row_dst};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row0 + h * 8;
@@ -353,7 +354,9 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   if (a.m_rows > (int64_t(1) << 31) - kBM || a.k > (int64_t(1) << 31) || a.n > (int64_t(1) << 31) ||
       a.groups > (int64_t(1) << 31))
     return "mok cuda gemm: dimension too large";
-  if (!aligned16(a.a) || !aligned16(a.b0) || !aligned16(a.out0) ||
+  if (a.row_dst != nullptr && (fused || a.zero_unused_tiles))
+    return "mok cuda gemm: row_dst needs the plain epilogue without zero_unused_tiles";
+  if (!aligned16(a.a) || !aligned16(a.b0) || (a.row_dst == nullptr && !aligned16(a.out0)) ||
       (fused && (!aligned16(a.b1) || !aligned16(a.out1) || !aligned16(a.out2))))
     return "mok cuda gemm: pointers must be 16-byte aligned";
   if (get_encoder() == nullptr) return "mok cuda gemm: cuTensorMapEncodeTiled unavailable";
@@ -382,6 +385,7 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   p.out0 = static_cast<__nv_bfloat16*>(a.out0);
   p.out1 = static_cast<__nv_bfloat16*>(a.out1);
   p.out2 = static_cast<__nv_bfloat16*>(a.out2);
+  p.row_dst = a.row_dst;
   p.zero_unused = a.zero_unused_tiles ? 1 : 0;
 
   const int cluster = gemm_cluster_size();

@@ -48,6 +48,9 @@ struct GroupedGemmArgs {
   void* out2 = nullptr;  // [m_rows, n] (kGateUpSwiGLU only)
   // Write zeros into the outputs of unused tiles (tile_group == -1).
   bool zero_unused_tiles = false;
+  // kStore only, optional: [m_rows] address of each output row (0 = not
+  // stored) instead of out0 + row * n (out0 unused). Not with zero_unused_tiles.
+  const uint64_t* row_dst = nullptr;
 };
 
 // Requirements: k % 8 == 0, n % 8 == 0, all pointers 16-byte aligned, k, n > 0.

@@ -191,6 +191,24 @@ __global__ void __launch_bounds__(kRowThreads) peer_push_rows(const uint64_t* __
   }
 }
 
+__global__ void peer_row_destinations(const uint64_t* __restrict__ ret_table, int64_t T, int K, int64_t H,
+                                      const int32_t* __restrict__ row_pair, const int32_t* __restrict__ total_rows,
+                                      int64_t row0, int64_t rows, uint64_t* __restrict__ row_dst) {
+  const int64_t total = *total_rows;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = row0 + i;
+    const int32_t p = r < total ? row_pair[r] : -1;
+    uint64_t dst = 0;
+    if (p >= 0) {
+      int s;
+      int64_t lp;
+      owner_of(p, T * K, &s, &lp);
+      dst = ret_table[s] + static_cast<uint64_t>(lp * H) * 2;  // bf16 row
+    }
+    row_dst[i] = dst;
+  }
+}
+
 // The owner's partial-dot row of each real row r: ret_part[local pair] = part[r - row0].
 __global__ void peer_push_part(const uint64_t* __restrict__ part_table, int64_t T, int K, int parts,
                                const int32_t* __restrict__ row_pair, const int32_t* __restrict__ total_rows,
@@ -285,6 +303,15 @@ const char* launch_peer_push_rows(const uint64_t* ret_table, int64_t tokens_per_
                                                                       row_pair, total_rows, row0, rows,
                                                                       static_cast<const uint4*>(out));
   return cudaGetLastError() == cudaSuccess ? nullptr : "mok peer dispatch: push launch failed";
+}
+
+const char* launch_peer_row_destinations(const uint64_t* ret_table, int64_t tokens_per_rank, int top_k,
+                                         int64_t hidden, const int32_t* row_pair, const int32_t* total_rows,
+                                         int64_t row0, int64_t rows, uint64_t* row_dst, cudaStream_t stream) {
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 255) / 256, 1024)));
+  peer_row_destinations<<<grid, 256, 0, stream>>>(ret_table, tokens_per_rank, top_k, hidden, row_pair, total_rows,
+                                                  row0, rows, row_dst);
+  return cudaGetLastError() == cudaSuccess ? nullptr : "mok peer dispatch: row destinations launch failed";
 }
 
 const char* launch_peer_push_part(const uint64_t* part_table, int64_t tokens_per_rank, int top_k, int parts,

@@ -13,7 +13,8 @@
 //   pair_row     int32[ranks * T * K]    (schedule output, unused)
 //   tile_expert  int32[rounds * C / 128]
 //   local_pairs  int32[T * K]            this rank's routed pairs (combine)
-//   xg / out     bf16[C, H]              one round's pulled rows, then its down output
+//   row_dst      uint64[C]               one round's down-row destinations (owners' return rows)
+//   xg           bf16[C, H]              one round's pulled rows
 //   gate, up     bf16[C, F] each         one round's pre-activations (not kept)
 //   act          bf16[C, F]
 //   ret          bf16[T * K, H]          this rank's down rows, pushed by their experts' ranks
@@ -33,7 +34,7 @@ namespace {
 
 struct PeerLayout {
   size_t flags, x_table, ret_table, ids_all, mask_all, hist, counts, offsets, row_pair, pair_row, tile_expert,
-      local_pairs, xg, gate, up, act, ret, s_gate, s_up, s_act, s_out, total;
+      local_pairs, row_dst, xg, gate, up, act, ret, s_gate, s_up, s_act, s_out, total;
   int64_t rounds;
 };
 
@@ -58,6 +59,7 @@ PeerLayout make_peer_layout(const Problem& p, int ranks, int64_t C) {
   L.pair_row = ws.take(R * T * K * sizeof(int32_t));
   L.tile_expert = ws.take(rows / 128 * sizeof(int32_t));
   L.local_pairs = ws.take(T * K * sizeof(int32_t));
+  L.row_dst = ws.take(static_cast<size_t>(C) * sizeof(uint64_t));
   L.xg = ws.take(static_cast<size_t>(C) * H * 2);
   L.gate = ws.take(static_cast<size_t>(C) * F * 2);
   L.up = ws.take(static_cast<size_t>(C) * F * 2);
@@ -160,7 +162,8 @@ const char* peer_forward(const Problem& p, const PeerGroup& group, const PeerFor
                                                    ws + L.s_up, ws + L.s_act, ws + L.s_out, sms, stream))
     return e;
 
-  // 4. rounds of C rows: pull -> gate/up + SwiGLU -> down -> push
+  // 4. rounds of C rows: pull -> gate/up + SwiGLU -> down, each row stored
+  //    straight into its owner's return buffer
   for (int64_t r = 0; r < L.rounds; ++r) {
     const int64_t row0 = r * C;
     if (const char* e = detail::launch_peer_pull_rows(u64(L.x_table), p.tokens, K, p.hidden, row_pair, offsets + El,
@@ -188,11 +191,11 @@ const char* peer_forward(const Problem& p, const PeerGroup& group, const PeerFor
     dn.groups = El;
     dn.n = p.hidden;
     dn.tile_group = gu.tile_group;
-    dn.out0 = xg;  // the pulled rows are spent
-    if (const char* e = launch_grouped_gemm(GemmEpilogue::kStore, dn, sms, stream)) return e;
-    if (const char* e = detail::launch_peer_push_rows(u64(L.ret_table), p.tokens, K, p.hidden, row_pair, offsets + El,
-                                                      row0, C, xg, sms, stream))
+    dn.row_dst = u64(L.row_dst);
+    if (const char* e = detail::launch_peer_row_destinations(u64(L.ret_table), p.tokens, K, p.hidden, row_pair,
+                                                             offsets + El, row0, C, u64(L.row_dst), stream))
       return e;
+    if (const char* e = launch_grouped_gemm(GemmEpilogue::kStore, dn, sms, stream)) return e;
   }
 
   // 5. tell every rank its rows are back, wait for ours, combine locally

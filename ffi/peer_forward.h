@@ -1,6 +1,6 @@
 // Expert-parallel forward with in-kernel peer dispatch ("peer" mode): the
 // GPUs of one host each own E / ranks experts and pull the token rows routed
-// to them straight from the owner's memory, then push the down rows back.
+// to them straight from the owner's memory, then store the down rows back there.
 //
 // Per call, on every rank d (kernels in peer_dispatch.cu, stream order):
 //   publish   d's control block gets this call's x / ids / mask / return
@@ -16,8 +16,8 @@
 //   rounds    the padded row space in rounds of `round_rows` rows (a fixed
 //             buffer, whatever the imbalance; every round past the last row
 //             exits at once): pull the rows' x from their owners -> gate/up
-//             GEMM + SwiGLU -> down GEMM -> push each down row to its owner's
-//             return buffer at the owner's pair index.
+//             GEMM + SwiGLU -> down GEMM, whose epilogue stores each row in
+//             its owner's return buffer at the owner's pair index.
 //   signal    one release add on every rank's `returns` counter.
 //   wait      until d's own `returns` reached g * ranks: every peer has pulled
 //             d's rows and pushed d's results, so d's buffers may go.
@@ -135,6 +135,12 @@ const char* launch_peer_pull_rows(const uint64_t* x_table, int64_t tokens_per_ra
 const char* launch_peer_push_rows(const uint64_t* ret_table, int64_t tokens_per_rank, int top_k, int64_t hidden,
                                   const int32_t* row_pair, const int32_t* total_rows, int64_t row0, int64_t rows,
                                   const void* out, int num_sms, cudaStream_t stream);
+// row_dst[i] = the address of row (row0 + i)'s down output in its owner's
+// return buffer (0 for padding rows and rows past *total_rows): the down
+// GEMM stores each row there directly (GroupedGemmArgs::row_dst), no push.
+const char* launch_peer_row_destinations(const uint64_t* ret_table, int64_t tokens_per_rank, int top_k,
+                                         int64_t hidden, const int32_t* row_pair, const int32_t* total_rows,
+                                         int64_t row0, int64_t rows, uint64_t* row_dst, cudaStream_t stream);
 // The fp32 partial dots [rows, parts] of each real row to its owner's
 // ret_part at the owner's pair index (the backward's d_topk_weights terms).
 const char* launch_peer_push_part(const uint64_t* part_table, int64_t tokens_per_rank, int top_k, int parts,
