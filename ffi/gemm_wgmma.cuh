@@ -102,7 +102,8 @@ int grouped_gemm_resident_clusters(GemmEpilogue epi, int cluster, int num_sms);
 //     Rows that are padding (row_pair < 0) or masked (row_mask == 0) are written as
 //     zeros (part too).
 //   launch_dgrad_sum2 (two terms: K runs over [A_0 | A_1] against [B_0 | B_1]):
-//     out0 = bf16(acc).
+//     out0 = bf16(acc); with row_dst, row r goes to address row_dst[r] instead
+//     (0 = not stored; the peer backward's d_x rows, straight to their owners).
 struct DgradArgs {
   const void* a0 = nullptr;
   const void* a1 = nullptr;
@@ -119,6 +120,7 @@ struct DgradArgs {
   const int32_t* row_pair = nullptr;
   const float* pair_weight = nullptr;
   const uint8_t* row_mask = nullptr;
+  const uint64_t* row_dst = nullptr;  // launch_dgrad_sum2 only (out0 unused then)
   void* out0 = nullptr;
   void* out1 = nullptr;
   void* out2 = nullptr;

@@ -64,6 +64,7 @@ struct BParams {
   __nv_bfloat16* out0;
   __nv_bfloat16* out1;
   __nv_bfloat16* out2;
+  const uint64_t* row_dst;  // kSum2: per-row destinations, or nullptr
   float* part;
   // wgrad
   JobP job[3];
@@ -268,7 +269,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
           const int r = idx >> 3, c = idx & 7;
           const int row = wrow0 + r, col = col0 + c * 8;
           const uint4 v = *reinterpret_cast<const uint4*>(stg + r * kStgPitch + c * 16);
-          if (row < x.m && col < x.n) *reinterpret_cast<uint4*>(out + static_cast<size_t>(row) * x.n + col) = v;
+          if (row < x.m && col < x.n) {
+            __nv_bfloat16* dst = out + static_cast<size_t>(row) * x.n;
+            if (kMode == kSum2 && p.row_dst != nullptr) dst = reinterpret_cast<__nv_bfloat16*>(p.row_dst[row]);
+            if (dst != nullptr) *reinterpret_cast<uint4*>(dst + col) = v;
+          }
         }
         __syncwarp();
       };
@@ -433,7 +438,9 @@ const char* dgrad_common(const DgradArgs& a, bool sum2, Maps& maps, BParams& p) 
   if (a.k <= 0 || a.n <= 0 || a.k % 8 != 0 || a.n % 8 != 0) return "mok cuda bwd gemm: k and n must be positive multiples of 8";
   if (a.m_rows > kMaxInt || a.k > kMaxInt || a.n > kMaxInt || a.groups > kMaxInt || a.groups <= 0)
     return "mok cuda bwd gemm: dimension too large";
-  if (!aligned16(a.a0) || !aligned16(a.b0) || !aligned16(a.out0) || (sum2 && (!aligned16(a.a1) || !aligned16(a.b1))))
+  if (a.row_dst != nullptr && !sum2) return "mok cuda bwd gemm: row_dst is for the sum2 dgrad only";
+  if (!aligned16(a.a0) || !aligned16(a.b0) || (a.row_dst == nullptr && !aligned16(a.out0)) ||
+      (sum2 && (!aligned16(a.a1) || !aligned16(a.b1))))
     return "mok cuda bwd gemm: pointers must be 16-byte aligned";
   if (encoder() == nullptr) return "mok cuda bwd gemm: cuTensorMapEncodeTiled unavailable";
   std::memset(&maps, 0, sizeof(maps));
@@ -482,6 +489,7 @@ const char* launch_dgrad_sum2(const DgradArgs& a, int num_sms, cudaStream_t stre
   Maps maps;
   BParams p;
   if (const char* e = dgrad_common(a, true, maps, p)) return e[0] == 'e' ? nullptr : e;
+  p.row_dst = a.row_dst;
   return launch<kSum2>(maps, p, num_sms, stream);
 }
 

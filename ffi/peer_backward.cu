@@ -7,7 +7,8 @@
 //   hist, counts, offsets, row_pair[rounds * C], pair_row, tile_expert   (the schedule, as the forward)
 //   local_pairs  int32[T * K]
 //   round_off    int32[E_l + 1]         each expert's rows within the current round
-//   xg, dyg      bf16[C, H]             pulled x and dy rows; dyg then holds the d_x rows
+//   row_dst      uint64[C]              each row's d_x destination (its owner's return row)
+//   xg, dyg      bf16[C, H]             pulled x and dy rows
 //   gate, up     bf16[C, F]             recomputed pre-activations, overwritten by dg, du
 //   act          bf16[C, F]             the recompute's SwiGLU output, overwritten by w * a
 //   part         fp32[C, parts]         partial <gd, a> per row
@@ -34,7 +35,7 @@ namespace {
 
 struct BwdLayout {
   size_t flags, x_t, ret_t, dy_t, part_t, ids_all, mask_all, w_all, hist, counts, offsets, row_pair, pair_row,
-      tile_expert, local_pairs, round_off, xg, dyg, gate, up, act, part, ret_dx, ret_part, s_gate, s_up, s_act, s_dx,
+      tile_expert, local_pairs, round_off, row_dst, xg, dyg, gate, up, act, part, ret_dx, ret_part, s_gate, s_up, s_act, s_dx,
       dw_part, dw_acc, total;
   int64_t rounds;
 };
@@ -65,6 +66,7 @@ BwdLayout make_layout(const Problem& p, int ranks, int64_t C) {
   L.tile_expert = ws.take(rows / 128 * 4);
   L.local_pairs = ws.take(T * K * 4);
   L.round_off = ws.take((El + 1) * 4);
+  L.row_dst = ws.take(Cs * 8);
   L.xg = ws.take(Cs * H * 2);
   L.dyg = ws.take(Cs * H * 2);
   L.gate = ws.take(Cs * F * 2);
@@ -281,7 +283,12 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
           reinterpret_cast<const uint4*>(dw_part), reinterpret_cast<float4*>(ws + L.dw_acc), round_off, per8, El);
       if (cudaGetLastError() != cudaSuccess) return "mok peer backward: accumulate launch failed";
     }
-    DgradArgs dx;  // d_x rows = dg @ w_gate^T + du @ w_up^T, over the spent dy rows
+    // d_x rows = dg @ w_gate^T + du @ w_up^T, each stored straight into its
+    // owner's return rows
+    if (const char* e = detail::launch_peer_row_destinations(u64(L.ret_t), p.tokens, K, H, row_pair, total, row0, C,
+                                                             u64(L.row_dst), stream))
+      return e;
+    DgradArgs dx;
     dx.a0 = dg;
     dx.a1 = du;
     dx.m_rows = C;
@@ -291,11 +298,8 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
     dx.groups = El;
     dx.n = H;
     dx.tile_group = gu.tile_group;
-    dx.out0 = dyg;
+    dx.row_dst = u64(L.row_dst);
     if (const char* e = launch_dgrad_sum2(dx, sms, stream)) return e;
-    if (const char* e = detail::launch_peer_push_rows(u64(L.ret_t), p.tokens, K, H, row_pair, total, row0, C, dyg,
-                                                      sms, stream))
-      return e;
     if (const char* e = detail::launch_peer_push_part(u64(L.part_t), p.tokens, K, parts, row_pair, total, row0, C,
                                                       f32(L.part), sms, stream))
       return e;

@@ -14,8 +14,9 @@
 //             pre-activations when given, so a balanced load recomputes nothing) -> down dgrad + SwiGLU backward (row
 //             weights from the gathered weights; partial dots <gd, a>) ->
 //             weight gradients over the round's rows of each expert -> gate +
-//             up dgrad -> push every d_x row and its partial dots to the
-//             owner's return buffers at the owner's pair index.
+//             up dgrad, whose epilogue stores every d_x row in its owner's
+//             return buffer at the owner's pair index -> push the rows'
+//             partial dots there too.
 //             With one round the weight gradients go straight to the outputs
 //             (bitwise the EP = 1 backward at ranks = 1); with several, each
 //             round's bf16 partials of the experts it touches are added into

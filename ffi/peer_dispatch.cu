@@ -1,6 +1,7 @@
 // The peer-dispatch kernels (protocol in peer_forward.h): publish / wait on
 // the ranks' control blocks, the routing all-gather, the row pull from the
-// owners and the push of the down rows back to them.
+// owners, where the GEMM epilogues store the results (row destinations), and
+// the push of the backward's partial dots.
 //
 // Flags are 32-bit generation counters compared wrap-safe; release stores and
 // adds and acquire loads are at system scope because the peers are other GPUs.
@@ -164,33 +165,8 @@ __global__ void __launch_bounds__(kRowThreads) peer_pull_rows(const uint64_t* __
   }
 }
 
-// The owner's return row of each real row r: ret[local pair] = out[r - row0].
-__global__ void __launch_bounds__(kRowThreads) peer_push_rows(const uint64_t* __restrict__ ret_table, int64_t T, int K,
-                                                              int64_t vec, const int32_t* __restrict__ row_pair,
-                                                              const int32_t* __restrict__ total_rows, int64_t row0,
-                                                              int64_t rows, const uint4* __restrict__ out) {
-  const int64_t end = min(row0 + rows, int64_t(*total_rows));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  for (int64_t r = row0 + int64_t(blockIdx.x) * kRowsPerBlock + warp; r < end; r += int64_t(gridDim.x) * kRowsPerBlock) {
-    const int32_t p = row_pair[r];
-    if (p < 0) continue;
-    int s;
-    int64_t lp;
-    owner_of(p, T * K, &s, &lp);
-    uint4* dst = reinterpret_cast<uint4*>(ret_table[s]) + lp * vec;
-    const uint4* src = out + (r - row0) * vec;
-    int64_t c = lane;
-    for (; c + 96 < vec; c += 128) {
-      const uint4 v0 = __ldg(src + c), v1 = __ldg(src + c + 32), v2 = __ldg(src + c + 64), v3 = __ldg(src + c + 96);
-      dst[c] = v0;
-      dst[c + 32] = v1;
-      dst[c + 64] = v2;
-      dst[c + 96] = v3;
-    }
-    for (; c < vec; c += 32) dst[c] = __ldg(src + c);
-  }
-}
-
+// The address of row r's output in its owner's return rows (bf16, [T*K, H]);
+// 0 for padding rows and rows past the schedule.
 __global__ void peer_row_destinations(const uint64_t* __restrict__ ret_table, int64_t T, int K, int64_t H,
                                       const int32_t* __restrict__ row_pair, const int32_t* __restrict__ total_rows,
                                       int64_t row0, int64_t rows, uint64_t* __restrict__ row_dst) {
@@ -294,15 +270,6 @@ const char* launch_peer_pull_rows(const uint64_t* x_table, int64_t tokens_per_ra
                                                                       row_pair, total_rows, row0, rows,
                                                                       static_cast<uint4*>(xg));
   return cudaGetLastError() == cudaSuccess ? nullptr : "mok peer dispatch: pull launch failed";
-}
-
-const char* launch_peer_push_rows(const uint64_t* ret_table, int64_t tokens_per_rank, int top_k, int64_t hidden,
-                                  const int32_t* row_pair, const int32_t* total_rows, int64_t row0, int64_t rows,
-                                  const void* out, int num_sms, cudaStream_t stream) {
-  peer_push_rows<<<row_grid(rows, num_sms), kRowThreads, 0, stream>>>(ret_table, tokens_per_rank, top_k, hidden / 8,
-                                                                      row_pair, total_rows, row0, rows,
-                                                                      static_cast<const uint4*>(out));
-  return cudaGetLastError() == cudaSuccess ? nullptr : "mok peer dispatch: push launch failed";
 }
 
 const char* launch_peer_row_destinations(const uint64_t* ret_table, int64_t tokens_per_rank, int top_k,

@@ -132,9 +132,6 @@ const char* launch_peer_local_pairs(const Problem& local, const int32_t* ids, co
 const char* launch_peer_pull_rows(const uint64_t* x_table, int64_t tokens_per_rank, int top_k, int64_t hidden,
                                   const int32_t* row_pair, const int32_t* total_rows, int64_t row0, int64_t rows,
                                   void* xg, int num_sms, cudaStream_t stream);
-const char* launch_peer_push_rows(const uint64_t* ret_table, int64_t tokens_per_rank, int top_k, int64_t hidden,
-                                  const int32_t* row_pair, const int32_t* total_rows, int64_t row0, int64_t rows,
-                                  const void* out, int num_sms, cudaStream_t stream);
 // row_dst[i] = the address of row (row0 + i)'s down output in its owner's
 // return buffer (0 for padding rows and rows past *total_rows): the down
 // GEMM stores each row there directly (GroupedGemmArgs::row_dst), no push.
