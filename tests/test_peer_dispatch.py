@@ -124,3 +124,43 @@ def test_peer_bad_options():
                                                  P("expert")), out_specs=P("expert"))
     with pytest.raises(NotImplementedError, match="dispatch='peer' needs mesh="):
         jax.jit(f)(x, router, wg, wu, wd)
+
+
+def test_peer_under_checkpoint_and_between_other_calls():
+    """jax.checkpoint around the peer layer gives the same gradients; peer
+    programs of two token counts, with a collective one in between, share
+    the group's counters and all stay exact."""
+    E, K = 8, 2
+    mesh = _mesh((4,), ("expert",))
+    x, router, wg, wu, wd, sh = make_problem(64, H, F, E, shared_ffn=FS)
+
+    def loss(x, wg, dispatch="peer"):
+        y, _ = mok_jax.moe_layer(x, router, wg, wu, wd, top_k=K, shared_experts=sh, mesh=mesh,
+                                 expert_axis="expert", dispatch=dispatch)
+        return jnp.sum(y ** 2)
+
+    g0 = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, wg)
+    g1 = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(x, wg)
+    for a, b in zip(g1, g0):
+        np.testing.assert_array_equal(a, b)
+    for T in (32, 64):
+        gc = jax.jit(jax.grad(lambda x, wg: loss(x, wg, "collective"), argnums=(0, 1)))(x[:T], wg)
+        gp = jax.jit(jax.grad(loss, argnums=(0, 1)))(x[:T], wg)
+        for a, b in zip(gp, gc):
+            _assert_close("peer vs collective", a, b)
+
+
+def test_peer_bad_expert_id_is_an_error_not_a_hang():
+    """An id outside [0, E) on one rank: every rank still finishes the call
+    (the pair is skipped everywhere) and the owner reports the id."""
+    T, E, K = 64, 8, 2
+    x, _, wg, wu, wd, _ = make_problem(T, H, F, E)
+    ids = jax.random.randint(fresh_key(), (T, K), 0, E).at[3, 1].set(E + 5)
+    w = jnp.ones((T, K), jnp.float32)
+    f = jax.jit(lambda x, ids: parallel.experts_parallel(
+        x, ids, w, wg, wu, wd, mesh=_mesh((4,), ("expert",)), expert_axis="expert",
+        implementation="cpu", dispatch="peer"))
+    with pytest.raises(Exception, match=r"topk_ids: expert id 13 is outside \[0, 8\)"):
+        jax.block_until_ready(f(x, ids))
+    y = f(x, ids.at[3, 1].set(0))  # the group still works afterwards
+    assert np.all(np.isfinite(np.asarray(y)))
