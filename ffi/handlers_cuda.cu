@@ -160,8 +160,10 @@ cuda::PeerForwardArgs peer_args(const ForwardArgs& a) {
 // process's first call initialises the runtime (allocation, preload,
 // synchronisation), which a capture forbids.
 // The forward keeps round 0's gate/up pre-activations ([round_rows, F] each,
-// two more results) for the backward, which takes them as two more operands.
-std::string check_kept(const Problem& p, int64_t C, const Buf& gate, const Buf& up) {
+// two more results) for the backward, which takes them as two more operands
+// (zero-size there: nothing kept, every round recomputed).
+std::string check_kept(const Problem& p, int64_t C, const Buf& gate, const Buf& up, bool empty_ok = false) {
+  if (empty_ok && gate.size_bytes() == 0 && up.size_bytes() == 0) return {};
   const int64_t want = C * p.ffn * 2;
   if (static_cast<int64_t>(gate.size_bytes()) != want || static_cast<int64_t>(up.size_bytes()) != want)
     return "kept pre-activations must be [round_rows=" + std::to_string(C) + ", F] bfloat16";
@@ -201,10 +203,12 @@ ffi::Error PeerBackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, 
         if (std::string e = check_workspace(workspace, cuda::peer_backward_workspace_bytes(p, ranks, C));
             !e.empty())
           return e;
-        if (std::string e = check_kept(p, C, kept_gate, kept_up); !e.empty()) return e;
+        if (std::string e = check_kept(p, C, kept_gate, kept_up, true); !e.empty()) return e;
+        const bool kept = kept_gate.size_bytes() > 0;
         cuda::PeerBackwardArgs b{a.dy,      peer_args(a.fwd), a.dx,       a.d_topk_weights, a.dw_gate,
                                  a.dw_up,   a.dw_down,        a.dws_gate, a.dws_up,         a.dws_down,
-                                 kept_gate.untyped_data(),    kept_up.untyped_data()};
+                                 kept ? kept_gate.untyped_data() : nullptr,
+                                 kept ? kept_up.untyped_data() : nullptr};
         if (const char* err = cuda::peer_backward(p, group, b, workspace->untyped_data(), C, stream)) return err;
         return {};
       });

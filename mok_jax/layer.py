@@ -44,7 +44,9 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
       recompute: True re-runs the expert forward inside the backward instead
         of keeping its residuals (activation checkpointing of the experts;
         the router's few values are kept); bitwise the same gradients. The
-        expert-parallel path (mesh=/axis_name=) always recomputes per rank.
+        expert-parallel path (mesh=/axis_name=) keeps only its inputs, except
+        dispatch="peer" on CUDA, which also keeps its first round's gate/up
+        pre-activations unless recompute=True.
       mesh: optional `jax.sharding.Mesh` for expert parallelism (global arrays):
         w_gate/w_up/w_down are split along E over ``expert_axis``, tokens along
         T over ``token_axes``; router_kernel, router_bias and shared_experts are
@@ -84,7 +86,7 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
             routed_scaling_factor=routed_scaling_factor, shared_experts=shared_experts,
             token_mask=token_mask, implementation=implementation, mesh=mesh,
             expert_axis=expert_axis, token_axes=token_axes, dispatch=dispatch,
-            axis_name=axis_name, megakernel=megakernel)
+            axis_name=axis_name, megakernel=megakernel, recompute=recompute)
     if expert_axis is not None or token_axes is not None:
         raise ValueError("expert_axis= and token_axes= need mesh= (or use axis_name= "
                          "inside your own shard_map)")
@@ -101,7 +103,7 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
 def _moe_layer_parallel(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func,
                         normalize_topk, router_bias, routed_scaling_factor, shared_experts,
                         token_mask, implementation, mesh, expert_axis, token_axes, dispatch,
-                        axis_name, megakernel):
+                        axis_name, megakernel, recompute=False):
     import jax
     import jax.numpy as jnp
     parallel.check_dispatch(dispatch)
@@ -134,5 +136,6 @@ def _moe_layer_parallel(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_
         x, aux.topk_ids, aux.topk_weights, w_gate, w_up, w_down, mesh=mesh,
         expert_axis=expert_axis, token_axes=token_axes, axis_name=axis_name,
         shared_experts=shared_experts, token_mask=token_mask,
-        implementation=implementation, dispatch=dispatch, megakernel=megakernel)
+        implementation=implementation, dispatch=dispatch, megakernel=megakernel,
+        recompute=recompute)
     return y, aux

@@ -74,6 +74,11 @@ class MoE(nn.Module):
         (see `mok_jax.moe_layer`); never changes the result.
       recompute: re-run the expert forward in the backward instead of keeping
         its residuals (see `mok_jax.moe_layer`).
+      mesh / expert_axis / token_axes / dispatch: expert parallelism, as in
+        `mok_jax.moe_layer`: with a `jax.sharding.Mesh`, the expert weights
+        are split along E over ``expert_axis`` and the tokens over
+        ``token_axes``; ``dispatch`` "collective", "peer" or "auto". None:
+        one device's layer (XLA gathers sharded weights as needed).
 
     Sown into ``"intermediates"`` on every call (collect with
     ``mutable=["intermediates"]``): ``aux_loss`` (coefficient-weighted,
@@ -101,6 +106,10 @@ class MoE(nn.Module):
     implementation: str = "auto"
     megakernel: Optional[MegakernelConfig] = None
     recompute: bool = False
+    mesh: Optional[Any] = None
+    expert_axis: Optional[str] = None
+    token_axes: Optional[Any] = None
+    dispatch: str = "auto"
 
     @nn.compact
     def __call__(self, x, token_mask=None):
@@ -157,7 +166,8 @@ class MoE(nn.Module):
             top_k=self.top_k, score_func=self.score_func, normalize_topk=self.normalize_topk,
             router_bias=bias, routed_scaling_factor=float(self.routed_scaling_factor),
             shared_experts=shared, token_mask=token_mask, implementation=self.implementation,
-            megakernel=megakernel, recompute=self.recompute)
+            megakernel=megakernel, recompute=self.recompute, mesh=self.mesh,
+            expert_axis=self.expert_axis, token_axes=self.token_axes, dispatch=self.dispatch)
         self.sow("intermediates", "aux_loss",
                  self.aux_loss_coeff * aux.load_balancing_loss
                  + self.z_loss_coeff * aux.router_z_loss)

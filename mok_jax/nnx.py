@@ -178,6 +178,11 @@ class MoE(nnx.Module):
         (see `mok_jax.moe_layer`); never changes the result.
       recompute: re-run the expert forward in the backward instead of keeping
         its residuals (see `mok_jax.moe_layer`).
+      mesh / expert_axis / token_axes / dispatch: expert parallelism, as in
+        `mok_jax.moe_layer`: with a `jax.sharding.Mesh`, the expert weights
+        are split along E over ``expert_axis`` and the tokens over
+        ``token_axes``; ``dispatch`` "collective", "peer" or "auto". None:
+        one device's layer (XLA gathers sharded weights as needed).
       rngs: `nnx.Rngs` for the initialisers (its ``params`` stream).
 
     Attributes:
@@ -191,9 +196,9 @@ class MoE(nnx.Module):
       ValueError / TypeError naming the argument for a bad configuration, and
       from `__call__` for a bad input (see `mok_jax.moe_layer`).
 
-    Expert parallelism over a mesh is not provided by this module yet: under
-    logical-axis sharding rules the weights are stored sharded, and XLA gathers
-    what the layer needs.
+    Without ``mesh``, under logical-axis sharding rules the weights are
+    stored sharded and XLA gathers what the layer needs; with ``mesh``, the
+    layer runs expert-parallel (tokens exchanged between the expert shards).
     """
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
@@ -207,6 +212,8 @@ class MoE(nnx.Module):
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                  implementation: str = "auto",
                  megakernel: Optional[MegakernelConfig] = None, recompute: bool = False,
+                 mesh: Optional[Any] = None, expert_axis: Optional[str] = None,
+                 token_axes: Optional[Any] = None, dispatch: str = "auto",
                  rngs: nnx.Rngs):
         check_config(hidden_size=hidden_size, ffn_size=ffn_size, num_experts=num_experts,
                      top_k=top_k, shared_ffn_size=shared_ffn_size, score_func=score_func,
@@ -225,6 +232,10 @@ class MoE(nnx.Module):
         # A static (hashable) attribute, not a Variable: it is part of the graph def.
         self.megakernel = check_megakernel(megakernel)
         self.recompute = V.check_bool("recompute", recompute)
+        # Static too: the mesh and its axes pick the expert-parallel path.
+        self.mesh, self.expert_axis, self.dispatch = mesh, expert_axis, dispatch
+        self.token_axes = tuple(token_axes) if isinstance(token_axes, (list, tuple)) else token_axes
+        V.check_choice("dispatch", dispatch, ("auto", "collective", "peer"))
         kinit = kernel_init or default_kernel_init()
         rinit = router_init or jax.nn.initializers.lecun_normal()
 
@@ -285,7 +296,8 @@ class MoE(nnx.Module):
             normalize_topk=self.normalize_topk, router_bias=bias,
             routed_scaling_factor=self.routed_scaling_factor, shared_experts=shared,
             token_mask=token_mask, implementation=self.implementation,
-            megakernel=self.megakernel, recompute=self.recompute)
+            megakernel=self.megakernel, recompute=self.recompute, mesh=self.mesh,
+            expert_axis=self.expert_axis, token_axes=self.token_axes, dispatch=self.dispatch)
         _set(self.aux_loss, self.aux_loss_coeff * aux.load_balancing_loss
              + self.z_loss_coeff * aux.router_z_loss)
         _set(self.tokens_per_expert, aux.tokens_per_expert)

@@ -76,6 +76,7 @@ class EPConfig(NamedTuple):
     psum_shared_axes: tuple = ()  # mesh mode: all token axes
     megakernel: object = None     # MegakernelConfig or None: the CUDA forward's knobs
     dispatch: str = "collective"  # the forward's dispatch: "collective" | "peer"
+    keep: bool = True             # peer on CUDA: keep round 0's pre-activations
     peer_devices: tuple = ()      # peer: device ordinals of every group (_peer_devices)
 
 
@@ -312,12 +313,12 @@ def _rank_forward_kept(cfg, *inputs):
     """(y, *kept) of one rank: the mesh forward's outputs (kept feeds the backward)."""
     if cfg.dispatch == "peer":
         y, kept = _peer_rank_forward(cfg, *inputs)
-        return (y, *kept)
+        return (y, *kept[:_n_kept(cfg)])
     return (rank_forward(cfg, *inputs),)
 
 
 def _n_kept(cfg):
-    return 2 if cfg.dispatch == "peer" and cfg.impl == "cuda" else 0
+    return 2 if cfg.dispatch == "peer" and cfg.impl == "cuda" and cfg.keep else 0
 
 
 def _peer_rank_backward(cfg, dy, x, ids, weights, mask, *weights_all, kept=()):
@@ -329,6 +330,9 @@ def _peer_rank_backward(cfg, dy, x, ids, weights, mask, *weights_all, kept=()):
     axes = _union_axes(inputs)
     (dy, *inputs), _ = _ffi.reconcile_varying(inputs)
     inputs, kept = inputs[:10], inputs[10:]
+    if cfg.impl == "cuda" and not kept:  # recompute: zero-size, nothing kept
+        F = inputs[4].shape[2]
+        kept = [_vary(jnp.zeros((0, F), inputs[0].dtype), axes)] * 2
     g = _ffi.peer_backward_call(cfg.impl, dy, inputs, kept, cfg.peer_devices, cfg.ep,
                                 PEER_TIMEOUT_MS)
     dx, dw = g[0], g[1]
@@ -513,7 +517,7 @@ def mesh_axes(mesh, expert_axis, token_axes):
 def experts_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, mesh=None,
                      expert_axis=None, token_axes=None, axis_name=None, shared_experts=None,
                      token_mask=None, implementation="auto", dispatch="auto",
-                     round_rows=None, megakernel=None):
+                     round_rows=None, megakernel=None, recompute=False):
     """`mok_jax.experts` with the experts sharded over a mesh axis.
 
     Either ``mesh`` + ``expert_axis`` (global arrays; w_* are ``[E, ...]`` and
@@ -524,6 +528,9 @@ def experts_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, mesh=No
     ``ceil(2*T_local*K/EP)``, see docs/scaling.md). ``megakernel``: None or a
     `mok_jax.MegakernelConfig` for the per-rank CUDA forward (also the
     forward the backward recomputes); ignored by the "cpu" and "xla" kernels.
+    ``recompute``: with dispatch="peer" on CUDA, keep nothing for the backward
+    (by default round 0's gate/up pre-activations are kept, so a balanced
+    load recomputes nothing); every other path keeps only the inputs.
     """
     check_dispatch(dispatch)
     megakernel = check_megakernel(megakernel)
@@ -552,6 +559,7 @@ def experts_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, mesh=No
                        sync_axes=tok_axes, mesh=mesh, token_axes=tok_axes,
                        psum_expert_axes=tuple(a for a in tok_axes if a != axis),
                        psum_shared_axes=tok_axes, megakernel=megakernel, dispatch=mode,
+                       keep=not V.check_bool("recompute", recompute),
                        peer_devices=_peer_devices(mesh, axis) if mode == "peer" else ())
         with jax.named_scope(f"mok_experts_ep_{impl}"):
             y = _ep_mesh(cfg, *inputs)

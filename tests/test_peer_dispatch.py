@@ -134,15 +134,17 @@ def test_peer_under_checkpoint_and_between_other_calls():
     mesh = _mesh((4,), ("expert",))
     x, router, wg, wu, wd, sh = make_problem(64, H, F, E, shared_ffn=FS)
 
-    def loss(x, wg, dispatch="peer"):
+    def loss(x, wg, dispatch="peer", recompute=False):
         y, _ = mok_jax.moe_layer(x, router, wg, wu, wd, top_k=K, shared_experts=sh, mesh=mesh,
-                                 expert_axis="expert", dispatch=dispatch)
+                                 expert_axis="expert", dispatch=dispatch, recompute=recompute)
         return jnp.sum(y ** 2)
 
     g0 = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, wg)
     g1 = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(x, wg)
-    for a, b in zip(g1, g0):
+    g2 = jax.jit(jax.grad(lambda x, wg: loss(x, wg, recompute=True), argnums=(0, 1)))(x, wg)
+    for a, b, c in zip(g1, g0, g2):
         np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(c, b)
     for T in (32, 64):
         gc = jax.jit(jax.grad(lambda x, wg: loss(x, wg, "collective"), argnums=(0, 1)))(x[:T], wg)
         gp = jax.jit(jax.grad(loss, argnums=(0, 1)))(x[:T], wg)
