@@ -152,7 +152,7 @@ std::vector<int32_t> local_pairs(const Problem& p, const ForwardArgs& a, std::st
   return pair_row;
 }
 
-// x's rows of `rows` (from their owners) as fp32.
+// The x rows (dy rows with `dy`) of `rows`, read from their owners, as fp32.
 void load_owner_rows(const Problem& p, const std::vector<Slot>& peers, const std::vector<std::pair<int, int64_t>>& rows,
                      bool dy, float* dst) {
   const int64_t H = p.hidden;

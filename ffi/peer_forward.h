@@ -20,7 +20,7 @@
 //             its owner's return buffer at the owner's pair index.
 //   signal    one release add on every rank's `returns` counter.
 //   wait      until d's own `returns` reached g * ranks: every peer has pulled
-//             d's rows and pushed d's results, so d's buffers may go.
+//             d's rows and stored d's results, so d's buffers may go.
 //   combine   the fixed-order combine of the return rows (combine.cu) plus
 //             the shared expert, run locally: y is bitwise the EP = 1 y.
 //
@@ -28,7 +28,8 @@
 // final wait of g, so no stale data or flags cross calls; counters only grow
 // (no reset). The only spinning kernels are single 32-thread blocks, so
 // ranks sharing one GPU (the virtual-rank test) cannot starve each other.
-// Forward only: no residuals are kept (a backward would recompute per round).
+// Residuals: optionally round 0's gate/up pre-activations (keep_gate /
+// keep_up), for the backward of peer_backward.h, which recomputes the rest.
 #pragma once
 
 #include <cstddef>
