@@ -6,7 +6,8 @@ Each process owns 2 CPU devices; the 2 processes form one 4-device mesh
 (data=2 x expert=2, or expert=4) over `jax.distributed` with gloo CPU
 collectives. Both build the same global inputs from SEED, run the
 dispatch="collective" layer (forward and every gradient) and compare the
-gathered global results with the single-process EP=1 kernel. Exit status 0
+gathered global results with the single-process EP=1 kernel; dispatch="peer"
+across the processes must raise NotImplementedError (no CUDA IPC yet). Exit status 0
 and a final "EP_WORKER_OK" line mean every check passed.
 """
 
@@ -82,6 +83,15 @@ def main():
             err = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
             assert err <= 1e-5, (names, f"gradient {i}: relative max error {err:.3g}")
         print(f"process {pid}: mesh {dict(zip(names, shape))} OK", flush=True)
+    # dispatch="peer" needs every device in one process: a clear error, raised
+    # before any work (so no process waits for the other).
+    try:
+        loss(*glob, mesh=mesh, expert_axis="expert", dispatch="peer")
+    except NotImplementedError as e:
+        assert "dispatch='peer' needs every mesh device in this process" in str(e), e
+    else:
+        raise AssertionError("dispatch='peer' across processes did not raise")
+    print(f"process {pid}: peer across processes refused OK", flush=True)
     jax.distributed.shutdown()
     print("EP_WORKER_OK", flush=True)
 

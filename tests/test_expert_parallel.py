@@ -378,7 +378,8 @@ def _free_port():
 def test_two_processes_gloo():
     """Two processes on localhost (jax.distributed, gloo CPU collectives), 2 CPU
     devices each: data x expert and expert=4 meshes whose expert axis spans both
-    processes run dispatch='collective' and match EP=1."""
+    processes run dispatch='collective' and match EP=1; dispatch='peer' there
+    is refused with a clear error."""
     worker = os.path.join(os.path.dirname(__file__), "ep_worker.py")
     port, seed = _free_port(), int(jax.random.randint(fresh_key(), (), 0, 2**30))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
