@@ -11,9 +11,12 @@ Implementations (``--impls``): ``cpu`` / ``cuda`` (mok_jax's FFI kernels),
 ``xla`` (mok_jax's pure-JAX reference), ``auto``, ``torch``
 (``torch._grouped_mm`` with the same routing, GPU only, when importable),
 ``cuda-megakernel`` (the CUDA backend's persistent megakernel instead of its
-default staged kernels), ``cuda-peer`` (the expert-parallel layer with
-``dispatch="peer"`` over a mesh of this one GPU: the peer-dispatch forward
-with a peer table of one, then the collective backward).
+default staged kernels), and the expert-parallel layer
+(`mok_jax.experts_parallel`) over a mesh of the first ``--ep`` devices (default
+1: a peer table of one): ``cuda-peer`` / ``cpu-peer`` (``dispatch="peer"``)
+and ``cuda-collective`` / ``cpu-collective`` (``dispatch="collective"``),
+their inputs sharded over the mesh before timing; their TFLOP/s are those of
+the whole mesh.
 
 Timed at `mok_jax.experts` level (routing precomputed, so the load can be
 controlled): the main table uses a random router's routing; the sweep
@@ -70,25 +73,42 @@ CPU_SHAPES = {
 }
 PASSES = ("fwd", "bwd", "fwd+bwd")
 ROUTINGS = ("uniform", "zipf", "all-to-one")
-IMPLS = ("auto", "cpu", "cuda", "cuda-megakernel", "cuda-peer", "xla", "torch")
+EP_IMPLS = ("cuda-peer", "cuda-collective", "cpu-peer", "cpu-collective")
+IMPLS = ("auto", "cpu", "cuda", "cuda-megakernel", *EP_IMPLS, "xla", "torch")
 
 
-def experts_call(impl):
+def experts_call(impl, ep=1):
     """f(x, ids, w, wg, wu, wd) -> y of a benchmark implementation name:
     "cuda-megakernel" is the CUDA backend with the persistent megakernel
     (MegakernelConfig(persistent=True)) instead of the default staged kernels;
-    "cuda-peer" the expert-parallel layer, dispatch="peer", on one GPU."""
+    "<kernel>-<dispatch>" the expert-parallel layer over the first ``ep`` devices."""
     if impl == "cuda-megakernel":
         kw = {"implementation": "cuda", "megakernel": mok_jax.MegakernelConfig(persistent=True)}
-    elif impl == "cuda-peer":
-        from jax.sharding import Mesh
+    elif impl in EP_IMPLS:
         from mok_jax import parallel
-        mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
+        kernel, dispatch = impl.split("-")
+        mesh = ep_mesh(ep)
         return lambda *a: parallel.experts_parallel(*a, mesh=mesh, expert_axis="expert",
-                                                    implementation="cuda", dispatch="peer")
+                                                    implementation=kernel, dispatch=dispatch)
     else:
         kw = {"implementation": impl}
     return lambda *a: mok_jax.experts(*a, **kw)
+
+
+def ep_mesh(ep):
+    from jax.sharding import Mesh
+    return Mesh(np.array(jax.devices()[:ep]), ("expert",))
+
+
+def place(impl, ep, data, probe):
+    """The inputs of an expert-parallel implementation sharded over its mesh
+    (tokens and experts along the expert axis), so a timed call moves no
+    inputs between devices; the others' inputs as they are."""
+    if impl not in EP_IMPLS:
+        return data, probe
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    rows = NamedSharding(ep_mesh(ep), P("expert"))
+    return jax.device_put(data, rows), jax.device_put(probe, rows)
 
 
 def parse_shapes(spec):
@@ -154,12 +174,16 @@ def router_routing(x, router, K):
     return np.asarray(aux.topk_ids), np.asarray(aux.topk_weights, np.float32)
 
 
-def impl_available(impl, dtype):
+def impl_available(impl, dtype, ep=1):
     """None if the implementation can run here, else why not."""
     backend = jax.default_backend()
     if impl == "cpu" and backend != "cpu":
         return "the cpu kernels need the CPU backend (run with JAX_PLATFORMS=cpu)"
-    if impl in ("cuda", "cuda-megakernel", "cuda-peer"):
+    if impl in EP_IMPLS and len(jax.devices()) < ep:
+        return f"--ep {ep} needs {ep} devices, {len(jax.devices())} visible"
+    if impl in ("cpu-peer", "cpu-collective") and backend != "cpu":
+        return "the cpu kernels need the CPU backend (run with JAX_PLATFORMS=cpu)"
+    if impl in ("cuda", "cuda-megakernel", "cuda-peer", "cuda-collective"):
         if not _ffi.cuda_built():
             return f"CUDA backend unavailable: {_ffi.CUDA_UNAVAILABLE_REASON}"
         if backend not in ("gpu", "cuda") or not _ffi.cuda_device_supported():
@@ -184,10 +208,10 @@ def train_step(f, probe):
     return step
 
 
-def jax_pass_fn(impl, pass_, data, probe):
+def jax_pass_fn(impl, pass_, data, probe, ep=1):
     """A zero-argument callable running one pass, blocking until done."""
     x, ids, w, wg, wu, wd = data
-    call = experts_call(impl)
+    call = experts_call(impl, ep)
     f = lambda x, w, wg, wu, wd: call(x, ids, w, wg, wu, wd)
     diff = (x, w, wg, wu, wd)
     if pass_ == "fwd":
@@ -202,11 +226,11 @@ def jax_pass_fn(impl, pass_, data, probe):
     return lambda: jax.block_until_ready(g(vjp, probe))
 
 
-def jax_memory(impl, data, probe):
+def jax_memory(impl, data, probe, ep=1):
     """(residual bytes kept between forward and backward, peak bytes of a
     forward+backward step beyond its inputs) of mok_jax.experts."""
     x, ids, w, wg, wu, wd = data
-    call = experts_call(impl)
+    call = experts_call(impl, ep)
     f = lambda x, w, wg, wu, wd: call(x, ids, w, wg, wu, wd)
     diff = (x, w, wg, wu, wd)
     return jax_residual_bytes(f, diff), jax_step_peak_bytes(train_step(f, probe), diff)
@@ -272,7 +296,7 @@ def run(args):
     skipped = {}
     runnable = []
     for impl in impls:
-        why = impl_available(impl, dtype)
+        why = impl_available(impl, dtype, args.ep)
         if why:
             skipped[impl] = why
             print(f"skipping impl={impl}: {why}", flush=True)
@@ -293,7 +317,7 @@ def run(args):
             "mok_jax": mok_jax.__version__, "host": platform.node(),
             "cpu_count": os.cpu_count(), "dense_tflops": {"jax": dense}, "dense_n": n_dense,
             "flops": "useful FLOPs: fwd 6*T*k*H*F, bwd 2x (12*T*k*H*F), fwd+bwd 3x (18*T*k*H*F)",
-            "iters": args.iters, "warmup": args.warmup, "zipf_s": args.zipf_s,
+            "iters": args.iters, "warmup": args.warmup, "zipf_s": args.zipf_s, "ep": args.ep,
             "skipped_impls": skipped, "command": "python " + " ".join(sys.argv)}
     if "torch" in runnable:
         import torch
@@ -323,11 +347,12 @@ def run(args):
                     if impl == "torch":
                         ms = torch_pass_ms(pass_, data, probe, args.warmup, iters)
                     else:
-                        fn = jax_pass_fn(impl, pass_, data, probe)
+                        d, pr = place(impl, args.ep, data, probe)
+                        fn = jax_pass_fn(impl, pass_, d, pr, args.ep)
                         ms = median_ms(fn, args.warmup, iters)
                         row["peak_bytes"] = jax_peak_bytes()
                         if pass_ == "fwd" and kind == "router":
-                            y = jax.jit(experts_call(impl))(*data)
+                            y = jax.jit(experts_call(impl, args.ep))(*d)
                             if impl == "xla":
                                 y_ref = y
                             elif y_ref is not None:
@@ -336,7 +361,8 @@ def run(args):
                     row.update(ms=ms, tflops=flops / ms / 1e9)
                     if pass_ == "fwd+bwd" and kind == "router" and not args.no_memory:
                         saved, peak = (torch_memory(data, probe) if impl == "torch"
-                                       else jax_memory(impl, data, probe))
+                                       else jax_memory(impl, *place(impl, args.ep, data, probe),
+                                                       args.ep))
                         row.update(residual_bytes=saved, residual_bytes_per_row=saved / (T * K),
                                    step_peak_bytes=peak)
                 except Exception as err:  # keep going: one failing peer must not lose the run
@@ -489,6 +515,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--xla-iters", type=int, default=3, help="the pure-JAX reference is slow on GPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ep", type=int, default=1,
+                   help="devices of the expert-parallel implementations' mesh (*-peer, *-collective)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--tag", default=None, help="file prefix (default: cpu or gpu)")
     p.add_argument("--no-plots", action="store_true")

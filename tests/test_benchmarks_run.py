@@ -85,3 +85,25 @@ def test_tiny_cpu_run_writes_json_table_and_plots(tmp_path):
     else:
         for name in ("test_tflops.png", "test_imbalance.png"):
             assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_expert_parallel_impls_on_cpu_devices(tmp_path):
+    """--ep 4 over 4 CPU devices: the peer and collective layers run, their
+    forward agrees with the pure-JAX reference, and the run records ep."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    cmd = [sys.executable, RUN, "--shapes", "96x16x32x4x2", "--impls",
+           "xla,cpu-peer,cpu-collective", "--ep", "4", "--passes", "fwd,fwd+bwd", "--sweep", "",
+           "--iters", "2", "--warmup", "1", "--xla-iters", "2", "--out", str(tmp_path),
+           "--tag", "ep", "--no-plots"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "ep_latest.json").read_text())
+    assert data["meta"]["ep"] == 4
+    rows = {(r["impl"], r["pass"]): r for r in data["rows"]}
+    assert len(rows) == 6
+    for (impl, pass_), r in rows.items():
+        assert "error" not in r, r
+        assert r["ms"] > 0
+        if impl != "xla" and pass_ == "fwd":
+            assert r["rel_l2_vs_xla"] < 1e-5, r
