@@ -1,13 +1,10 @@
 // Orchestration of the peer-dispatch backward (protocol in peer_backward.h).
 //
 // Workspace layout (each region 256-byte aligned, in this order):
-//   flags        int32[4]
-//   x/ret/dy/part tables  uint64[8] each
-//   ids_all      int32[ranks * T * K],  mask_all uint8[ranks * T],  w_all fp32[ranks * T * K]
-//   hist, counts, offsets, row_pair[rounds * C], pair_row, tile_expert   (the schedule, as the forward)
-//   local_pairs  int32[T * K]
+//   the shared schedule part (detail::carve_peer_schedule, with the backward's
+//   dy / part tables and the gathered weights w_all; row_dst holds each row's
+//   d_x destination), then
 //   round_off    int32[E_l + 1]         each expert's rows within the current round
-//   row_dst      uint64[C]              each row's d_x destination (its owner's return row)
 //   xg, dyg      bf16[C, H]             pulled x and dy rows
 //   gate, up     bf16[C, F]             recomputed pre-activations, overwritten by dg, du
 //   act          bf16[C, F]             the recompute's SwiGLU output, overwritten by w * a
@@ -34,39 +31,19 @@ namespace mok::cuda {
 namespace {
 
 struct BwdLayout {
-  size_t flags, x_t, ret_t, dy_t, part_t, ids_all, mask_all, w_all, hist, counts, offsets, row_pair, pair_row,
-      tile_expert, local_pairs, round_off, row_dst, xg, dyg, gate, up, act, part, ret_dx, ret_part, s_gate, s_up, s_act, s_dx,
-      dw_part, dw_acc, total;
-  int64_t rounds;
+  detail::PeerSchedule s;
+  size_t round_off, xg, dyg, gate, up, act, part, ret_dx, ret_part, s_gate, s_up, s_act, s_dx, dw_part, dw_acc, total;
 };
 
 BwdLayout make_layout(const Problem& p, int ranks, int64_t C) {
-  const Problem g = peer_gathered_problem(p, ranks);
   BwdLayout L{};
-  L.rounds = peer_rounds(p, ranks, C);
   WorkspaceCarver ws;
+  L.s = detail::carve_peer_schedule(p, ranks, C, true, ws);
   const size_t T = static_cast<size_t>(p.tokens), K = static_cast<size_t>(p.top_k);
   const size_t H = static_cast<size_t>(p.hidden), F = static_cast<size_t>(p.ffn);
-  const size_t El = static_cast<size_t>(g.experts), R = static_cast<size_t>(ranks);
-  const size_t rows = static_cast<size_t>(L.rounds * C), Cs = static_cast<size_t>(C);
+  const size_t El = static_cast<size_t>(p.experts / ranks), Cs = static_cast<size_t>(C);
   const size_t parts = static_cast<size_t>(detail::backward_parts(p));
-  L.flags = ws.take(4 * sizeof(int32_t));
-  L.x_t = ws.take(kMaxPeerRanks * 8);
-  L.ret_t = ws.take(kMaxPeerRanks * 8);
-  L.dy_t = ws.take(kMaxPeerRanks * 8);
-  L.part_t = ws.take(kMaxPeerRanks * 8);
-  L.ids_all = ws.take(R * T * K * 4);
-  L.mask_all = ws.take(R * T);
-  L.w_all = ws.take(R * T * K * 4);
-  L.hist = ws.take(static_cast<size_t>(detail::schedule_slots(g)) * El * 4);
-  L.counts = ws.take(El * 4);
-  L.offsets = ws.take((El + 1) * 4);
-  L.row_pair = ws.take(rows * 4);
-  L.pair_row = ws.take(R * T * K * 4);
-  L.tile_expert = ws.take(rows / 128 * 4);
-  L.local_pairs = ws.take(T * K * 4);
   L.round_off = ws.take((El + 1) * 4);
-  L.row_dst = ws.take(Cs * 8);
   L.xg = ws.take(Cs * H * 2);
   L.dyg = ws.take(Cs * H * 2);
   L.gate = ws.take(Cs * F * 2);
@@ -82,7 +59,7 @@ BwdLayout make_layout(const Problem& p, int ranks, int64_t C) {
     L.s_act = ws.take(T * Fs * 2);
     L.s_dx = ws.take(T * H * 2);
   }
-  if (L.rounds > 1) {
+  if (L.s.rounds > 1) {
     L.dw_part = ws.take(3 * El * H * F * 2);
     L.dw_acc = ws.take(3 * El * H * F * 4);
   }
@@ -148,59 +125,33 @@ size_t peer_backward_workspace_bytes(const Problem& local, int ranks, int64_t ro
 
 const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBackwardArgs& a, void* workspace,
                           int64_t C, cudaStream_t stream) {
-  const int ranks = group.ranks;
-  if (const char* e = peer_check(p, ranks, C)) return e;
-  if (group.rank < 0 || group.rank >= ranks) return "mok peer backward: rank outside [0, ranks)";
-  for (int s = 0; s < ranks; ++s)
-    if (group.ctl[s] == nullptr) return "mok peer backward: missing control block";
+  if (const char* e = peer_check(p, group.ranks, C)) return e;
   const PeerForwardArgs& f = a.fwd;
-  if (workspace == nullptr || !aligned16(workspace)) return "mok peer backward: workspace missing or misaligned";
   for (const void* q : std::initializer_list<const void*>{a.dy, f.x, f.w_gate, f.w_up, f.w_down, a.dx, a.dw_gate, a.dw_up, a.dw_down})
     if (!aligned16(q)) return "mok peer backward: tensors must be 16-byte aligned";
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return "mok peer backward: cannot query device";
-
-  const Problem g = peer_gathered_problem(p, ranks);
-  const BwdLayout L = make_layout(p, ranks, C);
+  const BwdLayout L = make_layout(p, group.ranks, C);
+  const detail::PeerSchedule& S = L.s;
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   auto i32 = [&](size_t off) { return reinterpret_cast<int32_t*>(ws + off); };
   auto u64 = [&](size_t off) { return reinterpret_cast<uint64_t*>(ws + off); };
   auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
-  const int El = static_cast<int>(g.experts), K = static_cast<int>(p.top_k), parts = detail::backward_parts(p);
+  const int El = static_cast<int>(p.experts / group.ranks), K = static_cast<int>(p.top_k);
+  const int parts = detail::backward_parts(p);
   const int64_t H = p.hidden, F = p.ffn;
-  int32_t* offsets = i32(L.offsets);
-  int32_t* row_pair = i32(L.row_pair);
-  int32_t* tile_expert = i32(L.tile_expert);
+  const int32_t* offsets = i32(S.offsets);
+  const int32_t* row_pair = i32(S.row_pair);
+  const int32_t* total = offsets + El;  // the padded rows of this rank's experts
   int32_t* round_off = i32(L.round_off);
-  const bool several = L.rounds > 1;
+  const bool several = S.rounds > 1;
   const size_t dw_elems = static_cast<size_t>(El) * H * F;
 
-  // 1. publish, wait, gather routing + weights + every rank's buffers
+  // 1-2. publish (with dy, the weights and the partial-dot returns), wait,
+  //      gather, and the forward's schedule: the same rows in the same order
   PeerBuffers mine;
   mine.x = f.x, mine.ids = f.topk_ids, mine.mask = f.token_mask, mine.ret = ws + L.ret_dx;
   mine.dy = a.dy, mine.w = f.topk_weights, mine.ret_part = f32(L.ret_part);
-  if (const char* e = detail::launch_peer_publish(group.ctl[group.rank], mine, stream)) return e;
-  if (const char* e = detail::launch_peer_wait_published(group, stream)) return e;
-  PeerTables tables;
-  tables.x = u64(L.x_t), tables.ret = u64(L.ret_t), tables.dy = u64(L.dy_t), tables.ret_part = u64(L.part_t);
-  tables.w_all = f32(L.w_all);
-  if (const char* e = detail::launch_peer_gather_routing(group, p.tokens, K, i32(L.ids_all), ws + L.mask_all, tables,
-                                                         stream))
-    return e;
-
-  // 2. the schedule (the forward's: the same rows in the same order)
-  if (const char* e = detail::launch_schedule(g, i32(L.ids_all), ws + L.mask_all, offsets, row_pair, i32(L.pair_row),
-                                              i32(L.hist), i32(L.counts), tile_expert, i32(L.flags), stream,
-                                              group.rank * El, static_cast<int>(p.experts)))
-    return e;
-  const int64_t scheduled_tiles = g.row_tiles(), all_tiles = L.rounds * C / g.tile_rows;
-  if (all_tiles > scheduled_tiles &&
-      cudaMemsetAsync(tile_expert + scheduled_tiles, 0xff, size_t(all_tiles - scheduled_tiles) * sizeof(int32_t),
-                      stream) != cudaSuccess)
-    return "mok peer backward: memset failed";
-  if (const char* e = detail::launch_peer_local_pairs(p, f.topk_ids, f.token_mask, i32(L.local_pairs), stream))
-    return e;
+  int sms = 0;
+  if (const char* e = detail::launch_peer_prologue(p, group, mine, S, C, ws, &sms, stream)) return e;
 
   // 3. the shared expert over this rank's tokens (recompute, then backward)
   if (p.shared_ffn > 0) {
@@ -225,30 +176,20 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
   void* dwg = several ? static_cast<void*>(dw_part) : a.dw_gate;
   void* dwu = several ? static_cast<void*>(dw_part + dw_elems * 2) : a.dw_up;
   void* dwd = several ? static_cast<void*>(dw_part + 2 * dw_elems * 2) : a.dw_down;
-  for (int64_t r = 0; r < L.rounds; ++r) {
+  for (int64_t r = 0; r < S.rounds; ++r) {
     const int64_t row0 = r * C;
-    const int32_t* total = offsets + El;
-    if (const char* e = detail::launch_peer_pull_rows(u64(L.x_t), p.tokens, K, H, row_pair, total, row0, C, xg, sms,
-                                                      stream))
-      return e;
-    if (const char* e = detail::launch_peer_pull_rows(u64(L.dy_t), p.tokens, K, H, row_pair, total, row0, C, dyg,
-                                                      sms, stream))
-      return e;
+    const int32_t* tile_group = i32(S.tile_expert) + row0 / p.tile_rows;
+    auto pull = [&](size_t table, void* rows) {  // this round's rows of x or dy, from their owners
+      return detail::launch_peer_pull_rows(u64(table), p.tokens, K, H, row_pair, total, row0, C, rows, sms, stream);
+    };
+    if (const char* e = pull(S.x_table, xg)) return e;
+    if (const char* e = pull(S.dy_table, dyg)) return e;
+    // recompute the pre-activations, unless the forward kept round 0's
     const bool kept = r == 0 && a.kept_gate != nullptr && a.kept_up != nullptr;
-    GroupedGemmArgs gu;  // recompute the pre-activations (unless the forward kept them)
-    gu.a = xg;
-    gu.m_rows = C;
-    gu.k = H;
-    gu.b0 = f.w_gate;
-    gu.b1 = f.w_up;
-    gu.groups = El;
-    gu.n = F;
-    gu.tile_group = tile_expert + row0 / g.tile_rows;
-    gu.out0 = ws + L.gate;
-    gu.out1 = ws + L.up;
-    gu.out2 = ws + L.act;
     if (!kept)
-      if (const char* e = launch_grouped_gemm(GemmEpilogue::kGateUpSwiGLU, gu, sms, stream)) return e;
+      if (const char* e = detail::launch_round_gate_up(p, El, C, xg, f.w_gate, f.w_up, tile_group, ws + L.gate,
+                                                       ws + L.up, ws + L.act, sms, stream))
+        return e;
     DgradArgs dd;  // gd = dy @ w_down^T, SwiGLU backward, w * a, partial dots
     dd.a0 = dyg;
     dd.m_rows = C;
@@ -256,11 +197,11 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
     dd.b0 = f.w_down;
     dd.groups = El;
     dd.n = F;
-    dd.tile_group = gu.tile_group;
+    dd.tile_group = tile_group;
     dd.gate_pre = kept ? a.kept_gate : ws + L.gate;
     dd.up_pre = kept ? a.kept_up : ws + L.up;
     dd.row_pair = row_pair + row0;
-    dd.pair_weight = f32(L.w_all);
+    dd.pair_weight = f32(S.w_all);
     dd.out0 = dg;
     dd.out1 = du;
     dd.out2 = aw;
@@ -285,8 +226,8 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
     }
     // d_x rows = dg @ w_gate^T + du @ w_up^T, each stored straight into its
     // owner's return rows
-    if (const char* e = detail::launch_peer_row_destinations(u64(L.ret_t), p.tokens, K, H, row_pair, total, row0, C,
-                                                             u64(L.row_dst), stream))
+    if (const char* e = detail::launch_peer_row_destinations(u64(S.ret_table), p.tokens, K, H, row_pair, total, row0, C,
+                                                             u64(S.row_dst), stream))
       return e;
     DgradArgs dx;
     dx.a0 = dg;
@@ -297,10 +238,10 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
     dx.b1 = f.w_up;
     dx.groups = El;
     dx.n = H;
-    dx.tile_group = gu.tile_group;
-    dx.row_dst = u64(L.row_dst);
+    dx.tile_group = tile_group;
+    dx.row_dst = u64(S.row_dst);
     if (const char* e = launch_dgrad_sum2(dx, sms, stream)) return e;
-    if (const char* e = detail::launch_peer_push_part(u64(L.part_t), p.tokens, K, parts, row_pair, total, row0, C,
+    if (const char* e = detail::launch_peer_push_part(u64(S.part_table), p.tokens, K, parts, row_pair, total, row0, C,
                                                       f32(L.part), sms, stream))
       return e;
   }
@@ -308,7 +249,7 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
   // 5. signal, wait for this rank's rows, combine; the summed weight gradients
   if (const char* e = detail::launch_peer_signal(group, stream)) return e;
   if (const char* e = detail::launch_peer_wait_returns(group, stream)) return e;
-  if (const char* e = detail::launch_combine_bwd(p, f.token_mask, i32(L.local_pairs), ws + L.ret_dx,
+  if (const char* e = detail::launch_combine_bwd(p, f.token_mask, i32(S.local_pairs), ws + L.ret_dx,
                                                  p.shared_ffn > 0 ? ws + L.s_dx : nullptr, f32(L.ret_part), a.dx,
                                                  a.d_topk_weights, sms, stream))
     return e;

@@ -37,6 +37,7 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda_problem.h"
 #include "plan.h"
 
 namespace mok::cuda {
@@ -122,6 +123,32 @@ const char* peer_forward(const Problem& local, const PeerGroup& group, const Pee
                          void* workspace, int64_t round_rows, cudaStream_t stream);
 
 namespace detail {
+// The workspace regions the forward and the backward share, carved first
+// (peer_forward.cu): the buffer tables, the routing all-gather, the schedule
+// over every rank's pairs, this rank's pair map and one round's row
+// destinations. dy_table, part_table and w_all: the backward's only (0 else).
+struct PeerSchedule {
+  bool backward;
+  size_t flags, x_table, ret_table, dy_table, part_table, ids_all, mask_all, w_all, hist, counts, offsets, row_pair,
+      pair_row, tile_expert, local_pairs, row_dst;
+  int64_t rounds;
+};
+PeerSchedule carve_peer_schedule(const Problem& local, int ranks, int64_t round_rows, bool backward,
+                                 WorkspaceCarver& ws);
+// After peer_check: checks the group and the workspace, then in stream order: publish
+// `mine` -> wait for every rank -> gather the routing and buffer tables ->
+// schedule every rank's pairs onto this rank's experts (tiles past the
+// schedule's capacity marked unused) -> this rank's pair map. *sms: the
+// device's SM count.
+const char* launch_peer_prologue(const Problem& local, const PeerGroup& group, const PeerBuffers& mine,
+                                 const PeerSchedule& s, int64_t round_rows, uint8_t* workspace, int* sms,
+                                 cudaStream_t stream);
+// One round's gate/up GEMM with the SwiGLU epilogue over its pulled rows xg
+// [round_rows, H] (this rank's E_l experts, tile_group = the round's tiles).
+const char* launch_round_gate_up(const Problem& local, int experts_local, int64_t round_rows, const void* xg,
+                                 const void* w_gate, const void* w_up, const int32_t* tile_group, void* gate,
+                                 void* up, void* act, int sms, cudaStream_t stream);
+
 // Kernels of peer_dispatch.cu.
 const char* launch_peer_publish(PeerControl* self, const PeerBuffers& b, cudaStream_t stream);
 const char* launch_peer_wait_published(const PeerGroup& g, cudaStream_t stream);
