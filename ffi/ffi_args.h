@@ -63,6 +63,15 @@ auto BindPeerBackward(B b) {
       .template Ret<Buf>().template Ret<Buf>().template Ret<Buf>().template Ret<Buf>();
 }
 
+// The attributes every peer call carries (then its handler's own):
+// `devices`, every expert-axis group's device ordinals (rank-major), `ranks`
+// per group, and the lost-peer timeout.
+template <typename B>
+auto BindPeerAttrs(B b) {
+  return std::move(b).template Attr<ffi::Span<const int32_t>>("devices").template Attr<int32_t>("ranks")
+      .template Attr<int32_t>("timeout_ms");
+}
+
 struct Inputs {
   Buf x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd;
 };
@@ -156,8 +165,9 @@ inline std::string check_residuals(const Problem& p, const Residuals& r) {
   return {};
 }
 
-inline ForwardArgs forward_args(const Inputs& in, const Residuals& r, void* y) {
-  ForwardArgs a;
+// The inputs' pointers and y; the residual pointers null (the peer calls keep none).
+inline ForwardArgs input_args(const Inputs& in, void* y) {
+  ForwardArgs a{};
   a.x = in.x.untyped_data();
   a.topk_ids = static_cast<const int32_t*>(in.ids.untyped_data());
   a.topk_weights = static_cast<const float*>(in.weights.untyped_data());
@@ -169,6 +179,11 @@ inline ForwardArgs forward_args(const Inputs& in, const Residuals& r, void* y) {
   a.ws_up = in.wsu.untyped_data();
   a.ws_down = in.wsd.untyped_data();
   a.y = y;
+  return a;
+}
+
+inline ForwardArgs forward_args(const Inputs& in, const Residuals& r, void* y) {
+  ForwardArgs a = input_args(in, y);
   a.expert_offsets = static_cast<int32_t*>(r.offsets.untyped_data());
   a.row_pair = static_cast<int32_t*>(r.row_pair.untyped_data());
   a.pair_row = static_cast<int32_t*>(r.pair_row.untyped_data());
@@ -177,6 +192,52 @@ inline ForwardArgs forward_args(const Inputs& in, const Residuals& r, void* y) {
   a.shared_gate_pre = r.sgate_pre.untyped_data();
   a.shared_up_pre = r.sup_pre.untyped_data();
   return a;
+}
+
+// The backward's results: d_x, d_topk_weights and the six weight gradients.
+struct Gradients {
+  Ret dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd;
+};
+
+inline std::string check_gradients(const Problem& prob, ffi::DataType dt, const Buf& dy, const Gradients& g) {
+  using detail::expect;
+  for (const std::string& e : {
+           expect("dy", dy, {prob.tokens, prob.hidden}, dt),
+           expect("dx", *g.dx, {prob.tokens, prob.hidden}, dt),
+           expect("d_topk_weights", *g.dw, {prob.tokens, prob.top_k}, ffi::DataType::F32),
+           expect("dw_gate", *g.dwg, {prob.experts, prob.hidden, prob.ffn}, dt),
+           expect("dw_up", *g.dwu, {prob.experts, prob.hidden, prob.ffn}, dt),
+           expect("dw_down", *g.dwd, {prob.experts, prob.ffn, prob.hidden}, dt),
+           expect("dws_gate", *g.dwsg, {prob.hidden, prob.shared_ffn}, dt),
+           expect("dws_up", *g.dwsu, {prob.hidden, prob.shared_ffn}, dt),
+           expect("dws_down", *g.dwsd, {prob.shared_ffn, prob.hidden}, dt),
+       })
+    if (!e.empty()) return e;
+  return {};
+}
+
+inline BackwardArgs backward_args(const Buf& dy, const ForwardArgs& fwd, Gradients& g) {
+  BackwardArgs a;
+  a.dy = dy.untyped_data();
+  a.fwd = fwd;
+  a.dx = g.dx->untyped_data();
+  a.d_topk_weights = static_cast<float*>(g.dw->untyped_data());
+  a.dw_gate = g.dwg->untyped_data();
+  a.dw_up = g.dwu->untyped_data();
+  a.dw_down = g.dwd->untyped_data();
+  a.dws_gate = g.dwsg->untyped_data();
+  a.dws_up = g.dwsu->untyped_data();
+  a.dws_down = g.dwsd->untyped_data();
+  return a;
+}
+
+// Decoding of a peer call (peer_cpu.h, peer_forward.h): `prob` gets this
+// rank's tokens and, once valid, the global number of experts (ranks * the
+// local w_gate's first axis).
+inline std::string decode_peer_inputs(const Inputs& in, int ranks, Problem& prob) {
+  std::string err = decode_inputs(in, prob);
+  if (err.empty() && (ranks < 1 || ranks > 8)) err = "peer dispatch: ranks must be in [1, 8]";
+  return err;
 }
 
 // The handlers' bodies are written once: `Run(prob, args)` returns an error
@@ -194,103 +255,37 @@ ffi::Error run_forward(const Inputs& in, Ret y, Ret offsets, Ret row_pair, Ret p
   return err.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(err);
 }
 
-// Decodes a peer forward: `local` gets this rank's tokens and the global
-// number of experts (ranks * the local w_gate's first axis); no residuals.
 template <typename Run>
 ffi::Error run_peer_forward(const Inputs& in, Ret y, int ranks, Run&& run) {
   Problem prob;
-  std::string err = decode_inputs(in, prob);
-  if (err.empty() && (ranks < 1 || ranks > 8)) err = "peer dispatch: ranks must be in [1, 8]";
+  std::string err = decode_peer_inputs(in, ranks, prob);
   if (err.empty() && !detail::has_shape(*y, {prob.tokens, prob.hidden}))
     err = "y has shape " + detail::dims_str(*y);
   if (err.empty()) {
     prob.experts *= ranks;
-    Residuals none{in.x, in.x, in.x, in.x, in.x, in.x, in.x};  // unused: pointers cleared below
-    ForwardArgs a = forward_args(in, none, y->untyped_data());
-    a.expert_offsets = a.row_pair = a.pair_row = nullptr;
-    a.gate_pre = a.up_pre = a.shared_gate_pre = a.shared_up_pre = nullptr;
-    err = run(prob, a);
-  }
-  return err.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(err);
-}
-
-// Decodes a peer backward (as run_peer_forward, plus dy and the gradients).
-template <typename Run>
-ffi::Error run_peer_backward(Buf dy, const Inputs& in, Ret dx, Ret dw, Ret dwg, Ret dwu, Ret dwd, Ret dwsg,
-                             Ret dwsu, Ret dwsd, int ranks, Run&& run) {
-  Problem prob;
-  std::string err = decode_inputs(in, prob);
-  if (err.empty() && (ranks < 1 || ranks > 8)) err = "peer dispatch: ranks must be in [1, 8]";
-  if (err.empty()) {
-    const ffi::DataType dt = in.x.element_type();
-    for (const std::string& e : {
-             detail::expect("dy", dy, {prob.tokens, prob.hidden}, dt),
-             detail::expect("dx", *dx, {prob.tokens, prob.hidden}, dt),
-             detail::expect("d_topk_weights", *dw, {prob.tokens, prob.top_k}, ffi::DataType::F32),
-             detail::expect("dw_gate", *dwg, {prob.experts, prob.hidden, prob.ffn}, dt),
-             detail::expect("dw_up", *dwu, {prob.experts, prob.hidden, prob.ffn}, dt),
-             detail::expect("dw_down", *dwd, {prob.experts, prob.ffn, prob.hidden}, dt),
-             detail::expect("dws_gate", *dwsg, {prob.hidden, prob.shared_ffn}, dt),
-             detail::expect("dws_up", *dwsu, {prob.hidden, prob.shared_ffn}, dt),
-             detail::expect("dws_down", *dwsd, {prob.shared_ffn, prob.hidden}, dt),
-         })
-      if (err.empty() && !e.empty()) err = e;
-  }
-  if (err.empty()) {
-    prob.experts *= ranks;
-    Residuals none{in.x, in.x, in.x, in.x, in.x, in.x, in.x};  // unused: pointers cleared below
-    BackwardArgs a;
-    a.dy = dy.untyped_data();
-    a.fwd = forward_args(in, none, nullptr);
-    a.fwd.expert_offsets = a.fwd.row_pair = a.fwd.pair_row = nullptr;
-    a.fwd.gate_pre = a.fwd.up_pre = a.fwd.shared_gate_pre = a.fwd.shared_up_pre = nullptr;
-    a.dx = dx->untyped_data();
-    a.d_topk_weights = static_cast<float*>(dw->untyped_data());
-    a.dw_gate = dwg->untyped_data();
-    a.dw_up = dwu->untyped_data();
-    a.dw_down = dwd->untyped_data();
-    a.dws_gate = dwsg->untyped_data();
-    a.dws_up = dwsu->untyped_data();
-    a.dws_down = dwsd->untyped_data();
-    err = run(prob, a);
+    err = run(prob, input_args(in, y->untyped_data()));
   }
   return err.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(err);
 }
 
 template <typename Run>
-ffi::Error run_backward(Buf dy, const Inputs& in, const Residuals& res, Ret dx, Ret dw,
-                        Ret dwg, Ret dwu, Ret dwd, Ret dwsg, Ret dwsu, Ret dwsd, Run&& run) {
+ffi::Error run_backward(Buf dy, const Inputs& in, const Residuals& res, Gradients g, Run&& run) {
   Problem prob;
   std::string err = decode_inputs(in, prob);
   if (err.empty()) err = check_residuals(prob, res);
+  if (err.empty()) err = check_gradients(prob, in.x.element_type(), dy, g);
+  if (err.empty()) err = run(prob, backward_args(dy, forward_args(in, res, nullptr), g));
+  return err.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(err);
+}
+
+template <typename Run>
+ffi::Error run_peer_backward(Buf dy, const Inputs& in, Gradients g, int ranks, Run&& run) {
+  Problem prob;
+  std::string err = decode_peer_inputs(in, ranks, prob);
+  if (err.empty()) err = check_gradients(prob, in.x.element_type(), dy, g);  // E: this rank's experts
   if (err.empty()) {
-    const ffi::DataType dt = in.x.element_type();
-    for (const std::string& e : {
-             detail::expect("dy", dy, {prob.tokens, prob.hidden}, dt),
-             detail::expect("dx", *dx, {prob.tokens, prob.hidden}, dt),
-             detail::expect("d_topk_weights", *dw, {prob.tokens, prob.top_k}, ffi::DataType::F32),
-             detail::expect("dw_gate", *dwg, {prob.experts, prob.hidden, prob.ffn}, dt),
-             detail::expect("dw_up", *dwu, {prob.experts, prob.hidden, prob.ffn}, dt),
-             detail::expect("dw_down", *dwd, {prob.experts, prob.ffn, prob.hidden}, dt),
-             detail::expect("dws_gate", *dwsg, {prob.hidden, prob.shared_ffn}, dt),
-             detail::expect("dws_up", *dwsu, {prob.hidden, prob.shared_ffn}, dt),
-             detail::expect("dws_down", *dwsd, {prob.shared_ffn, prob.hidden}, dt),
-         })
-      if (err.empty() && !e.empty()) err = e;
-  }
-  if (err.empty()) {
-    BackwardArgs a;
-    a.dy = dy.untyped_data();
-    a.fwd = forward_args(in, res, nullptr);
-    a.dx = dx->untyped_data();
-    a.d_topk_weights = static_cast<float*>(dw->untyped_data());
-    a.dw_gate = dwg->untyped_data();
-    a.dw_up = dwu->untyped_data();
-    a.dw_down = dwd->untyped_data();
-    a.dws_gate = dwsg->untyped_data();
-    a.dws_up = dwsu->untyped_data();
-    a.dws_down = dwsd->untyped_data();
-    err = run(prob, a);
+    prob.experts *= ranks;
+    err = run(prob, backward_args(dy, input_args(in, nullptr), g));
   }
   return err.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(err);
 }

@@ -61,8 +61,8 @@ ffi::Error BackwardCpu(ffi::ThreadPool pool, Buf dy, Buf x, Buf ids, Buf w, Buf 
                        Ret dwd, Ret dwsg, Ret dwsu, Ret dwsd) {
   return run_backward(
       dy, Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd},
-      Residuals{offsets, row_pair, pair_row, gate_pre, up_pre, sgate_pre, sup_pre}, dx, dw, dwg,
-      dwu, dwd, dwsg, dwsu, dwsd,
+      Residuals{offsets, row_pair, pair_row, gate_pre, up_pre, sgate_pre, sup_pre},
+      Gradients{dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd},
       [&](const Problem& p, const BackwardArgs& a) { return backward_cpu(p, a, pool_for(pool)); });
 }
 
@@ -91,8 +91,9 @@ ffi::Error PeerBackwardCpu(ffi::ThreadPool pool, int32_t device, Buf dy, Buf x, 
                            Buf wu, Buf wd, Buf wsg, Buf wsu, Buf wsd, Ret dx, Ret dw, Ret dwg, Ret dwu, Ret dwd,
                            Ret dwsg, Ret dwsu, Ret dwsd, ffi::Span<const int32_t> devices, int32_t ranks,
                            int32_t timeout_ms) {
-  return run_peer_backward(dy, Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd}, dx, dw, dwg, dwu, dwd, dwsg,
-                           dwsu, dwsd, ranks, [&](const Problem& p, const BackwardArgs& a) {
+  return run_peer_backward(dy, Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd},
+                           Gradients{dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd}, ranks,
+                           [&](const Problem& p, const BackwardArgs& a) {
                              return peer_backward_cpu(p, peer_call(device, devices, ranks, timeout_ms), a,
                                                       pool_for(pool));
                            });
@@ -102,18 +103,12 @@ ffi::Error PeerBackwardCpu(ffi::ThreadPool pool, int32_t device, Buf dy, Buf x, 
 }  // namespace mok
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MokPeerFwdCpu, mok::PeerForwardCpu,
-                              mok::BindPeerForward(xla::ffi::Ffi::Bind()
-                                                       .Ctx<xla::ffi::ThreadPool>()
-                                                       .Ctx<xla::ffi::DeviceOrdinal>())
-                                  .Attr<xla::ffi::Span<const int32_t>>("devices")
-                                  .Attr<int32_t>("ranks")
-                                  .Attr<int32_t>("timeout_ms"));
+                              mok::BindPeerAttrs(mok::BindPeerForward(xla::ffi::Ffi::Bind()
+                                                                          .Ctx<xla::ffi::ThreadPool>()
+                                                                          .Ctx<xla::ffi::DeviceOrdinal>())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MokPeerBwdCpu, mok::PeerBackwardCpu,
-                              mok::BindPeerBackward(xla::ffi::Ffi::Bind()
-                                                        .Ctx<xla::ffi::ThreadPool>()
-                                                        .Ctx<xla::ffi::DeviceOrdinal>())
-                                  .Attr<xla::ffi::Span<const int32_t>>("devices")
-                                  .Attr<int32_t>("ranks")
-                                  .Attr<int32_t>("timeout_ms"));
+                              mok::BindPeerAttrs(mok::BindPeerBackward(xla::ffi::Ffi::Bind()
+                                                                           .Ctx<xla::ffi::ThreadPool>()
+                                                                           .Ctx<xla::ffi::DeviceOrdinal>())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MokExpertsFwdCpu, mok::ForwardCpu, mok::BindForward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MokExpertsBwdCpu, mok::BackwardCpu, mok::BindBackward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));

@@ -102,8 +102,8 @@ ffi::Error BackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf 
   count_capture(stream);
   return run_backward(
       dy, Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd},
-      Residuals{offsets, row_pair, pair_row, gate_pre, up_pre, sgate_pre, sup_pre}, dx, dw, dwg,
-      dwu, dwd, dwsg, dwsu, dwsd, [&](const Problem& p, const BackwardArgs& args) -> std::string {
+      Residuals{offsets, row_pair, pair_row, gate_pre, up_pre, sgate_pre, sup_pre},
+      Gradients{dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd}, [&](const Problem& p, const BackwardArgs& args) -> std::string {
         if (p.dtype != DType::kBF16) return "the CUDA backend supports bfloat16 only";
         const size_t need = cuda::backward_workspace_bytes(p);
         if (workspace->size_bytes() < need)
@@ -125,11 +125,6 @@ ffi::Error BackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf 
       });
 }
 
-// The peer-dispatch forward (peer_forward.h) of this GPU's rank: the group's
-// control blocks come from peer_runtime.h; the workspace (routing gather,
-// schedule, one round's rows, the return rows) is an XLA output. Not marked
-// command-buffer compatible: the process's first call initialises the
-// runtime (allocation, preload, synchronisation), which a capture forbids.
 // This GPU's PeerGroup and round size for a peer call, or an error.
 std::string peer_setup(const Problem& p, ffi::Span<const int32_t> devices, int32_t ranks, int32_t timeout_ms,
                        int32_t round_rows, cuda::PeerGroup* group, int64_t* C) {
@@ -195,8 +190,8 @@ ffi::Error PeerBackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, 
                             Ret dwsu, Ret dwsd, Ret workspace, Buf kept_gate, Buf kept_up,
                             ffi::Span<const int32_t> devices, int32_t ranks, int32_t timeout_ms, int32_t round_rows) {
   return run_peer_backward(
-      dy, Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd}, dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd, ranks,
-      [&](const Problem& p, const BackwardArgs& a) -> std::string {
+      dy, Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd}, Gradients{dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd},
+      ranks, [&](const Problem& p, const BackwardArgs& a) -> std::string {
         cuda::PeerGroup group;
         int64_t C = 0;
         if (std::string e = peer_setup(p, devices, ranks, timeout_ms, round_rows, &group, &C); !e.empty()) return e;
@@ -219,24 +214,18 @@ ffi::Error PeerBackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokPeerFwdCuda, mok::PeerForwardCuda,
-    mok::BindPeerForward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
-        .Ret<mok::Buf>()  // + workspace
-        .Ret<mok::Buf>()  // + round 0's gate_pre [round_rows, F], kept for the backward
-        .Ret<mok::Buf>()  // + round 0's up_pre
-        .Attr<xla::ffi::Span<const int32_t>>("devices")
-        .Attr<int32_t>("ranks")
-        .Attr<int32_t>("timeout_ms")
+    mok::BindPeerAttrs(mok::BindPeerForward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
+                           .Ret<mok::Buf>()   // + workspace
+                           .Ret<mok::Buf>()   // + round 0's gate_pre [round_rows, F], kept for the backward
+                           .Ret<mok::Buf>())  // + round 0's up_pre
         .Attr<int32_t>("round_rows"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokPeerBwdCuda, mok::PeerBackwardCuda,
-    mok::BindPeerBackward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
-        .Ret<mok::Buf>()  // + workspace
-        .Arg<mok::Buf>()  // + the forward's kept gate_pre of round 0
-        .Arg<mok::Buf>()  // + and up_pre
-        .Attr<xla::ffi::Span<const int32_t>>("devices")
-        .Attr<int32_t>("ranks")
-        .Attr<int32_t>("timeout_ms")
+    mok::BindPeerAttrs(mok::BindPeerBackward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
+                           .Ret<mok::Buf>()   // + workspace
+                           .Arg<mok::Buf>()   // + the forward's kept gate_pre of round 0
+                           .Arg<mok::Buf>())  // + and up_pre
         .Attr<int32_t>("round_rows"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -163,6 +163,17 @@ void load_owner_rows(const Problem& p, const std::vector<Slot>& peers, const std
   }
 }
 
+// The shared expert's forward over this rank's tokens with its pre-activations
+// in `scratch` (the peer calls keep no residuals): a.shared_*_pre point there
+// afterwards. Returns its output rows (empty when Fs == 0).
+std::vector<float> shared_forward_scratch(const Problem& p, ForwardArgs& a, std::vector<uint8_t>& scratch) {
+  const size_t bytes = static_cast<size_t>(p.tokens * p.shared_ffn) * 4;  // fp32 at most
+  scratch.resize(2 * bytes);
+  a.shared_gate_pre = scratch.data();
+  a.shared_up_pre = scratch.data() + bytes;
+  return shared_expert_forward_cpu(p, a);
+}
+
 // Rounds v to the dtype, as a residual stored in it would be.
 void round_to(DType dtype, std::vector<float>& v) {
   std::vector<uint8_t> tmp(v.size() * 4);
@@ -210,12 +221,9 @@ std::string peer_forward_cpu(const Problem& p, const PeerCpuCall& pc, const Forw
   if (std::string e = call.finish(); !e.empty()) return e;
   std::string bad;
   const std::vector<int32_t> pair_row = local_pairs(p, a, &bad);
-  const int64_t Fs = p.shared_ffn;
-  std::vector<uint8_t> s_gate(static_cast<size_t>(T * Fs * 4)), s_up(s_gate.size());
   ForwardArgs sa = a;
-  sa.shared_gate_pre = s_gate.data();
-  sa.shared_up_pre = s_up.data();
-  const std::vector<float> shared = shared_expert_forward_cpu(p, sa);
+  std::vector<uint8_t> scratch;
+  const std::vector<float> shared = shared_forward_scratch(p, sa, scratch);
   combine_rows_cpu(p, a.topk_weights, pair_row.data(), ret.data(), shared.empty() ? nullptr : shared.data(), a.y);
   return bad;
 }
@@ -274,12 +282,9 @@ std::string peer_backward_cpu(const Problem& p, const PeerCpuCall& pc, const Bac
   const std::vector<int32_t> pair_row = local_pairs(p, f, &bad);
   for (int64_t q = 0; q < T * K; ++q) a.d_topk_weights[q] = pair_row[q] >= 0 ? ret_dw[q] : 0.0f;
   // The shared expert over this rank's tokens: its pre-activations recomputed.
-  const int64_t Fs = p.shared_ffn;
-  std::vector<uint8_t> s_gate(static_cast<size_t>(T * Fs * 4)), s_up(s_gate.size());
   BackwardArgs sb = a;
-  sb.fwd.shared_gate_pre = s_gate.data();
-  sb.fwd.shared_up_pre = s_up.data();
-  if (Fs > 0) shared_expert_forward_cpu(p, sb.fwd);
+  std::vector<uint8_t> scratch;
+  shared_forward_scratch(p, sb.fwd, scratch);
   const std::vector<float> dx_shared = shared_expert_backward_cpu(p, sb);
   combine_rows_cpu(p, nullptr, pair_row.data(), ret.data(), dx_shared.empty() ? nullptr : dx_shared.data(), a.dx);
   return bad;

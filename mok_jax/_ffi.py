@@ -179,6 +179,28 @@ def backward_call(platform, dy, inputs, residuals):
     return outs[:8]
 
 
+def _peer_attrs(devices, ranks, timeout_ms):
+    return dict(devices=np.asarray(devices, np.int32), ranks=np.int32(ranks),
+                timeout_ms=np.int32(timeout_ms))
+
+
+def _peer_cuda_dims(inputs, ranks, round_rows):
+    """The (T, H, F, E, K, Fs, ranks, round_rows) of a CUDA peer call, as the
+    _mok_cuda.peer_* size functions take them (E global)."""
+    x, ids, wg, wsg = inputs[0], inputs[1], inputs[4], inputs[7]
+    E_l, _, F = wg.shape
+    return (*x.shape, F, E_l * ranks, ids.shape[1], wsg.shape[1], ranks, round_rows)
+
+
+def _peer_workspace(size_fn, dims):
+    nbytes = size_fn(*dims)
+    if nbytes == 0:
+        T, H, F, E, _, _, ranks, round_rows = dims
+        raise ValueError(f"dispatch='peer': the CUDA peer kernels reject this problem "
+                         f"(T={T}, H={H}, F={F}, E={E}, ranks={ranks}, round_rows={round_rows})")
+    return nbytes
+
+
 def peer_forward_call(platform, inputs, devices, ranks, timeout_ms, round_rows=0):
     """The peer-dispatch forward of one rank (ffi/peer_cpu.h, ffi/peer_forward.h).
 
@@ -188,20 +210,13 @@ def peer_forward_call(platform, inputs, devices, ranks, timeout_ms, round_rows=0
     (y, kept): kept is round 0's gate/up pre-activations ([round_rows, F]
     each) on CUDA, for peer_backward_call, and () on CPU (which recomputes).
     """
-    x, ids, _, _, wg, _, _, wsg, _, _ = inputs
+    x = inputs[0]
     types = [_result(x.shape, x.dtype, x)]
-    attrs = dict(devices=np.asarray(devices, np.int32), ranks=np.int32(ranks),
-                 timeout_ms=np.int32(timeout_ms))
+    attrs = _peer_attrs(devices, ranks, timeout_ms)
     if platform == "cuda":
-        T, H = x.shape
-        E_l, _, F = wg.shape
-        dims = (T, H, F, E_l * ranks, ids.shape[1], wsg.shape[1], ranks, round_rows)
-        nbytes = _mok_cuda.peer_forward_workspace_bytes(*dims)
-        if nbytes == 0:
-            raise ValueError(f"dispatch='peer': the CUDA peer forward rejects this problem "
-                             f"(T={T}, H={H}, F={F}, E={E_l * ranks}, ranks={ranks}, "
-                             f"round_rows={round_rows})")
-        C = _mok_cuda.peer_round_rows(*dims)
+        dims = _peer_cuda_dims(inputs, ranks, round_rows)
+        nbytes = _peer_workspace(_mok_cuda.peer_forward_workspace_bytes, dims)
+        C, F = _mok_cuda.peer_round_rows(*dims), dims[2]
         types += [_result((nbytes,), np.uint8, x), _result((C, F), x.dtype, x),
                   _result((C, F), x.dtype, x)]
         attrs["round_rows"] = np.int32(round_rows)
@@ -212,25 +227,17 @@ def peer_forward_call(platform, inputs, devices, ranks, timeout_ms, round_rows=0
 
 def peer_backward_call(platform, dy, inputs, kept, devices, ranks, timeout_ms, round_rows=0):
     """The peer-dispatch backward of one rank (ffi/peer_cpu.h, ffi/peer_backward.h):
-    kept is the forward's (same round_rows); what it did not keep is
-    recomputed. Returns dx,
+    kept is the forward's (same round_rows; on CUDA zero-size arrays when
+    nothing was kept); what it did not keep is recomputed. Returns dx,
     d_topk_weights and the 6 weight gradients (this rank's experts; the shared
     expert's for this rank's tokens only, to be summed over the token axes)."""
     x, ids = inputs[0], inputs[1]
     types = list(backward_result_types(x, ids, inputs[4:]))
-    attrs = dict(devices=np.asarray(devices, np.int32), ranks=np.int32(ranks),
-                 timeout_ms=np.int32(timeout_ms))
+    attrs = _peer_attrs(devices, ranks, timeout_ms)
     if platform == "cuda":
-        T, H = x.shape
-        wg, wsg = inputs[4], inputs[7]
-        E_l, _, F = wg.shape
-        nbytes = _mok_cuda.peer_backward_workspace_bytes(
-            T, H, F, E_l * ranks, ids.shape[1], wsg.shape[1], ranks, round_rows)
-        if nbytes == 0:
-            raise ValueError(f"dispatch='peer': the CUDA peer backward rejects this problem "
-                             f"(T={T}, H={H}, F={F}, E={E_l * ranks}, ranks={ranks}, "
-                             f"round_rows={round_rows})")
-        types.append(_result((nbytes,), np.uint8, x))
+        dims = _peer_cuda_dims(inputs, ranks, round_rows)
+        types.append(_result((_peer_workspace(_mok_cuda.peer_backward_workspace_bytes, dims),),
+                             np.uint8, x))
         attrs["round_rows"] = np.int32(round_rows)
     outs = jax.ffi.ffi_call(f"mok_peer_bwd_{platform}", types,
                             vmap_method="sequential")(dy, *inputs, *kept, **attrs)

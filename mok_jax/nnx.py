@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import _validate as V
+from . import parallel
 from .config import MegakernelConfig, check_megakernel
 from .layer import moe_layer
 
@@ -235,7 +236,7 @@ class MoE(nnx.Module):
         # Static too: the mesh and its axes pick the expert-parallel path.
         self.mesh, self.expert_axis, self.dispatch = mesh, expert_axis, dispatch
         self.token_axes = tuple(token_axes) if isinstance(token_axes, (list, tuple)) else token_axes
-        V.check_choice("dispatch", dispatch, ("auto", "collective", "peer"))
+        parallel.check_dispatch(dispatch)
         kinit = kernel_init or default_kernel_init()
         rinit = router_init or jax.nn.initializers.lecun_normal()
 
