@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -294,6 +295,25 @@ NB_MODULE(_mok_cuda, m) {
     p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
     p.dtype = mok::DType::kBF16;
     return round_rows > 0 ? round_rows : mok::cuda::peer_default_round_rows(p, ranks);
+  });
+  // The multi-process peer path (peer_runtime.h; driven by mok_jax/_peer_ipc.py):
+  // peer_staging_bytes(T_local, H, F, E, K, Fs), peer_ipc_export(ordinal,
+  // global_id, staging_bytes) -> bytes, peer_ipc_import(bytes). Errors raise.
+  m.def("peer_staging_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs) -> size_t {
+    mok::Problem p;
+    p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
+    p.dtype = mok::DType::kBF16;
+    return mok::cuda::peer_staging_bytes(p);
+  });
+  m.def("peer_ipc_export", [](int ordinal, int32_t global_id, size_t staging_bytes) {
+    std::string blob;
+    if (std::string e = mok::cuda::peer_ipc_export(ordinal, global_id, staging_bytes, &blob); !e.empty())
+      throw std::runtime_error(e);
+    return nanobind::bytes(blob.data(), blob.size());
+  });
+  m.def("peer_ipc_import", [](nanobind::bytes blob) {
+    const std::string b(static_cast<const char*>(blob.data()), blob.size());
+    if (std::string e = mok::cuda::peer_ipc_import(b); !e.empty()) throw std::runtime_error(e);
   });
   m.def("captured_calls", []() { return mok::g_captured_calls.load(); });
   m.def("backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K,

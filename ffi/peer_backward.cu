@@ -150,6 +150,7 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
   PeerBuffers mine;
   mine.x = f.x, mine.ids = f.topk_ids, mine.mask = f.token_mask, mine.ret = ws + L.ret_dx;
   mine.dy = a.dy, mine.w = f.topk_weights, mine.ret_part = f32(L.ret_part);
+  if (const char* e = detail::stage_peer_buffers(p, group, &mine, stream)) return e;
   int sms = 0;
   if (const char* e = detail::launch_peer_prologue(p, group, mine, S, C, ws, &sms, stream)) return e;
 
@@ -249,8 +250,8 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
   // 5. signal, wait for this rank's rows, combine; the summed weight gradients
   if (const char* e = detail::launch_peer_signal(group, stream)) return e;
   if (const char* e = detail::launch_peer_wait_returns(group, stream)) return e;
-  if (const char* e = detail::launch_combine_bwd(p, f.token_mask, i32(S.local_pairs), ws + L.ret_dx,
-                                                 p.shared_ffn > 0 ? ws + L.s_dx : nullptr, f32(L.ret_part), a.dx,
+  if (const char* e = detail::launch_combine_bwd(p, f.token_mask, i32(S.local_pairs), mine.ret,
+                                                 p.shared_ffn > 0 ? ws + L.s_dx : nullptr, mine.ret_part, a.dx,
                                                  a.d_topk_weights, sms, stream))
     return e;
   if (several) {

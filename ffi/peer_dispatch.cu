@@ -42,12 +42,13 @@ __device__ __forceinline__ int32_t gen_diff(uint32_t a, uint32_t b) { return sta
 // Copies the control-block pointers into a kernel parameter.
 struct Ctl {
   PeerControl* c[kMaxPeerRanks];
+  int64_t delta[kMaxPeerRanks];  // PeerGroup::delta
   int rank, ranks;
   uint64_t timeout_ns;
 };
 Ctl make_ctl(const PeerGroup& g) {
   Ctl c{};
-  for (int i = 0; i < kMaxPeerRanks; ++i) c.c[i] = g.ctl[i];
+  for (int i = 0; i < kMaxPeerRanks; ++i) c.c[i] = g.ctl[i], c.delta[i] = g.delta[i];
   c.rank = g.rank;
   c.ranks = g.ranks;
   c.timeout_ns = g.timeout_ns;
@@ -90,6 +91,12 @@ __global__ void peer_wait_published(Ctl c) {
   }
 }
 
+// Rank s's published address as mapped here (0 stays 0: not published).
+__device__ __forceinline__ uint64_t peer_address(const Ctl& c, int s, const uint64_t* field) {
+  const uint64_t a = ld_relaxed_sys_u64(field);
+  return a == 0 ? 0 : a + static_cast<uint64_t>(c.delta[s]);
+}
+
 // ids_all[s*T*K + i] = ids of rank s, mask_all[s*T + t] likewise (and the
 // weights, in the backward); the tables get every rank's buffer pointers.
 // After peer_wait_published.
@@ -97,20 +104,21 @@ __global__ void peer_gather_routing(Ctl c, int64_t T, int K, int32_t* __restrict
                                     uint8_t* __restrict__ mask_all, PeerTables t) {
   if (blockIdx.x == 0 && threadIdx.x < c.ranks) {
     const PeerControl* b = c.c[threadIdx.x];
-    t.x[threadIdx.x] = ld_relaxed_sys_u64(&b->x);
-    t.ret[threadIdx.x] = ld_relaxed_sys_u64(&b->ret);
-    if (t.dy) t.dy[threadIdx.x] = ld_relaxed_sys_u64(&b->dy);
-    if (t.ret_part) t.ret_part[threadIdx.x] = ld_relaxed_sys_u64(&b->ret_part);
+    const int s = threadIdx.x;
+    t.x[s] = peer_address(c, s, &b->x);
+    t.ret[s] = peer_address(c, s, &b->ret);
+    if (t.dy) t.dy[s] = peer_address(c, s, &b->dy);
+    if (t.ret_part) t.ret_part[s] = peer_address(c, s, &b->ret_part);
   }
   const int64_t P = T * K;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int s = 0; s < c.ranks; ++s) {
-    const int32_t* ids = reinterpret_cast<const int32_t*>(ld_relaxed_sys_u64(&c.c[s]->ids));
-    const uint8_t* mask = reinterpret_cast<const uint8_t*>(ld_relaxed_sys_u64(&c.c[s]->mask));
+    const int32_t* ids = reinterpret_cast<const int32_t*>(peer_address(c, s, &c.c[s]->ids));
+    const uint8_t* mask = reinterpret_cast<const uint8_t*>(peer_address(c, s, &c.c[s]->mask));
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < P; i += stride) ids_all[s * P + i] = ids[i];
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < T; i += stride) mask_all[s * T + i] = mask[i];
     if (t.w_all) {
-      const float* w = reinterpret_cast<const float*>(ld_relaxed_sys_u64(&c.c[s]->w));
+      const float* w = reinterpret_cast<const float*>(peer_address(c, s, &c.c[s]->w));
       for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < P; i += stride) t.w_all[s * P + i] = w[i];
     }
   }

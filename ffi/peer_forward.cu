@@ -29,6 +29,7 @@
 
 #include <algorithm>
 
+#include "backward_cuda.h"
 #include "cuda_problem.h"
 #include "forward_cuda.h"
 #include "gemm_wgmma.cuh"
@@ -63,9 +64,69 @@ PeerLayout make_peer_layout(const Problem& p, int ranks, int64_t C) {
   return L;
 }
 
+// A rank's staging buffer (several processes): every buffer of one call
+// that peers read (x, ids, mask, dy, weights) or write (the return rows and
+// the backward's partial dots). Each region 256-byte aligned.
+struct StagingLayout {
+  size_t x, ids, mask, dy, w, ret, part, total;
+};
+
+StagingLayout make_staging_layout(const Problem& p) {
+  StagingLayout L{};
+  WorkspaceCarver ws;
+  const size_t T = static_cast<size_t>(p.tokens), K = static_cast<size_t>(p.top_k);
+  const size_t H = static_cast<size_t>(p.hidden), parts = static_cast<size_t>(detail::backward_parts(p));
+  L.x = ws.take(T * H * 2);
+  L.ids = ws.take(T * K * sizeof(int32_t));
+  L.mask = ws.take(T);
+  L.dy = ws.take(T * H * 2);
+  L.w = ws.take(T * K * sizeof(float));
+  L.ret = ws.take(T * K * H * 2);
+  L.part = ws.take(T * K * parts * sizeof(float));
+  L.total = ws.total();
+  return L;
+}
+
 }  // namespace
 
+size_t peer_staging_bytes(const Problem& local) {
+  if (unsupported_problem(local) != nullptr) return 0;
+  return make_staging_layout(local).total;
+}
+
 namespace detail {
+
+const char* stage_peer_buffers(const Problem& p, const PeerGroup& group, PeerBuffers* mine, cudaStream_t stream) {
+  if (group.staging == nullptr) return nullptr;
+  const StagingLayout L = make_staging_layout(p);
+  if (group.staging_bytes < L.total)
+    return "mok peer dispatch: this rank's IPC staging buffer is smaller than the call needs (mok_jax sizes it "
+           "when it traces a call; call the layer through mok_jax)";
+  uint8_t* st = group.staging;
+  const size_t T = static_cast<size_t>(p.tokens), K = static_cast<size_t>(p.top_k);
+  const size_t H = static_cast<size_t>(p.hidden);
+  // Copied in stream order after this rank's previous call ended (its final
+  // wait saw every peer done with the staging) and before the publish.
+  auto copy = [&](const void* src, size_t off, size_t bytes) -> const void* {
+    if (src == nullptr) return nullptr;
+    if (bytes > 0 && cudaMemcpyAsync(st + off, src, bytes, cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
+      return nullptr;
+    return st + off;
+  };
+  PeerBuffers b = *mine;
+  b.x = copy(mine->x, L.x, T * H * 2);
+  b.ids = static_cast<const int32_t*>(copy(mine->ids, L.ids, T * K * sizeof(int32_t)));
+  b.mask = static_cast<const uint8_t*>(copy(mine->mask, L.mask, T));
+  b.dy = copy(mine->dy, L.dy, T * H * 2);
+  b.w = static_cast<const float*>(copy(mine->w, L.w, T * K * sizeof(float)));
+  if ((mine->x && !b.x) || (mine->ids && !b.ids) || (mine->mask && !b.mask) || (mine->dy && !b.dy) ||
+      (mine->w && !b.w))
+    return "mok peer dispatch: copying the inputs into the IPC staging buffer failed";
+  b.ret = st + L.ret;
+  if (mine->ret_part != nullptr) b.ret_part = reinterpret_cast<float*>(st + L.part);
+  *mine = b;
+  return nullptr;
+}
 
 PeerSchedule carve_peer_schedule(const Problem& p, int ranks, int64_t C, bool backward, WorkspaceCarver& ws) {
   const Problem g = peer_gathered_problem(p, ranks);
@@ -204,6 +265,7 @@ const char* peer_forward(const Problem& p, const PeerGroup& group, const PeerFor
   // 1-2. publish, wait, gather the routing, schedule every rank's pairs here
   PeerBuffers mine;
   mine.x = a.x, mine.ids = a.topk_ids, mine.mask = a.token_mask, mine.ret = ret;
+  if (const char* e = detail::stage_peer_buffers(p, group, &mine, stream)) return e;
   int sms = 0;
   if (const char* e = detail::launch_peer_prologue(p, group, mine, S, C, ws, &sms, stream)) return e;
 
@@ -243,7 +305,7 @@ const char* peer_forward(const Problem& p, const PeerGroup& group, const PeerFor
   // 5. tell every rank its rows are back, wait for ours, combine locally
   if (const char* e = detail::launch_peer_signal(group, stream)) return e;
   if (const char* e = detail::launch_peer_wait_returns(group, stream)) return e;
-  return detail::launch_combine(p, a.token_mask, i32(S.local_pairs), a.topk_weights, ret,
+  return detail::launch_combine(p, a.token_mask, i32(S.local_pairs), a.topk_weights, mine.ret,
                                 p.shared_ffn > 0 ? ws + L.s_out : nullptr, a.y, sms, stream);
 }
 

@@ -81,6 +81,15 @@ struct PeerGroup {
   int rank = 0;
   int ranks = 1;
   uint64_t timeout_ns = 20ull * 1000 * 1000 * 1000;
+  // Several processes (CUDA IPC, peer_ipc.h): rank s publishes addresses of
+  // its own process; delta[s] turns them into the same memory as mapped in
+  // this one (0 for ranks of this process). Every buffer a peer reads or
+  // writes then lives in the rank's `staging` (IPC-exported, library-owned),
+  // the inputs copied in first. staging == nullptr: one process, the XLA
+  // buffers are published as they are.
+  int64_t delta[kMaxPeerRanks] = {};
+  uint8_t* staging = nullptr;
+  size_t staging_bytes = 0;
 };
 
 struct PeerForwardArgs {
@@ -116,6 +125,9 @@ int64_t peer_default_round_rows(const Problem& local, int ranks);
 // nullptr or why (ranks, E % ranks, round_rows).
 const char* peer_check(const Problem& local, int ranks, int64_t round_rows);
 size_t peer_forward_workspace_bytes(const Problem& local, int ranks, int64_t round_rows);
+// The staging bytes one rank needs (several processes only): x, ids, mask,
+// dy, weights, the return rows and the partial dots of the backward.
+size_t peer_staging_bytes(const Problem& local);
 // The number of round launches: ceil(worst-case rows / round_rows).
 int64_t peer_rounds(const Problem& local, int ranks, int64_t round_rows);
 
@@ -135,6 +147,10 @@ struct PeerSchedule {
 };
 PeerSchedule carve_peer_schedule(const Problem& local, int ranks, int64_t round_rows, bool backward,
                                  WorkspaceCarver& ws);
+// With group.staging (several processes): copies mine's inputs into the
+// staging buffer and points mine (inputs and return buffers) at it; else
+// leaves mine as it is.
+const char* stage_peer_buffers(const Problem& local, const PeerGroup& group, PeerBuffers* mine, cudaStream_t stream);
 // After peer_check: checks the group and the workspace, then in stream order: publish
 // `mine` -> wait for every rank -> gather the routing and buffer tables ->
 // schedule every rank's pairs onto this rank's experts (tiles past the

@@ -1,34 +1,22 @@
-// Control-block pools, peer access and kernel preload of the CUDA peer
-// dispatch (see peer_runtime.h).
+// Control-block pools, peer access, kernel preload and the group lookup of
+// the CUDA peer dispatch (see peer_runtime.h).
 #include "peer_runtime.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <string>
 
 #include "peer_backward.h"
 #include "peer_rank.h"
+#include "peer_runtime_state.h"
 
 namespace mok::cuda {
 namespace {
 
-struct Runtime {
-  bool ready = false;
-  std::string error;                        // sticky: a failed init fails every call
-  std::vector<PeerControl*> pool;           // [device * kPeerGroupSlots + slot]
-  std::map<std::vector<int32_t>, int> slot;  // group device list -> slot
-  int next_slot = 0;
-};
-
-std::mutex g_mutex;
-Runtime g_rt;
-
 // Runs one solo peer forward and backward with a shared expert on the
 // current device, in rounds of 128 rows (so the several-rounds kernels run
-// too), so every kernel of the path gets loaded there (init-time only).
+// too), so every kernel of the path gets loaded there (set-up time only).
 std::string preload(PeerControl* solo) {
   Problem p;
   p.tokens = 16, p.hidden = 128, p.ffn = 128, p.experts = 2, p.top_k = 1, p.shared_ffn = 128;
@@ -69,23 +57,38 @@ std::string preload(PeerControl* solo) {
   return err;
 }
 
-std::string init_locked() {
+}  // namespace
+
+namespace detail {
+
+std::mutex& peer_state_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+PeerState& peer_state() {
+  static PeerState s;
+  return s;
+}
+
+std::string set_up_device_locked(int d) {
+  PeerState& st = peer_state();
   int count = 0, current = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || cudaGetDevice(&current) != cudaSuccess)
     return "cannot enumerate the GPUs";
-  g_rt.pool.assign(static_cast<size_t>(count) * kPeerGroupSlots, nullptr);
+  if (st.pool.empty()) st.pool.assign(static_cast<size_t>(count) * kPeerGroupSlots, nullptr);
+  if (d < 0 || d >= count) return "device " + std::to_string(d) + " is not a visible GPU";
+  if (st.pool[d * kPeerGroupSlots] != nullptr) return {};
   std::string err;
-  for (int d = 0; d < count && err.empty(); ++d) {
-    if (cudaSetDevice(d) != cudaSuccess) { err = "cannot select GPU " + std::to_string(d); break; }
-    PeerControl* blocks = nullptr;
-    const size_t bytes = sizeof(PeerControl) * (kPeerGroupSlots + 1);  // + one for the preload
-    if (cudaMalloc(&blocks, bytes) != cudaSuccess || cudaMemset(blocks, 0, bytes) != cudaSuccess ||
-        cudaDeviceSynchronize() != cudaSuccess) {
-      err = "cannot allocate the control blocks on GPU " + std::to_string(d);
-      break;
-    }
-    for (int s = 0; s < kPeerGroupSlots; ++s) g_rt.pool[d * kPeerGroupSlots + s] = blocks + s;
-    for (int q = 0; q < count; ++q) {
+  PeerControl* blocks = nullptr;
+  const size_t bytes = sizeof(PeerControl) * (kPeerGroupSlots + 1);  // + one for the preload
+  if (cudaSetDevice(d) != cudaSuccess) {
+    err = "cannot select GPU " + std::to_string(d);
+  } else if (cudaMalloc(&blocks, bytes) != cudaSuccess || cudaMemset(blocks, 0, bytes) != cudaSuccess ||
+             cudaDeviceSynchronize() != cudaSuccess) {
+    err = "cannot allocate the control blocks on GPU " + std::to_string(d);
+  } else {
+    for (int q = 0; q < count && err.empty(); ++q) {
       int can = 0;
       if (q == d || cudaDeviceCanAccessPeer(&can, d, q) != cudaSuccess || !can) continue;
       const cudaError_t e = cudaDeviceEnablePeerAccess(q, 0);
@@ -96,49 +99,93 @@ std::string init_locked() {
       const std::string e = preload(blocks + kPeerGroupSlots);
       if (!e.empty()) err = "preloading the peer kernels on GPU " + std::to_string(d) + " failed: " + e;
     }
+    if (err.empty())
+      for (int s = 0; s < kPeerGroupSlots; ++s) st.pool[d * kPeerGroupSlots + s] = blocks + s;
   }
   cudaSetDevice(current);
   return err;
 }
 
-}  // namespace
+}  // namespace detail
 
 const char* peer_group_for(int device, const std::vector<int32_t>& devices, int ranks, uint64_t timeout_ns,
                            PeerGroup* out) {
   thread_local std::string message;
   if (ranks < 1 || ranks > kMaxPeerRanks) return "peer dispatch: ranks must be in [1, 8]";
+  std::lock_guard<std::mutex> lock(detail::peer_state_mutex());
+  detail::PeerState& st = detail::peer_state();
+  // One process: the list holds CUDA ordinals, and every visible GPU is set
+  // up on the first call, before any spinning kernel exists. Several
+  // processes: global device ids, each set up when mok_jax registered it.
+  int32_t me = device;
+  if (st.ipc) {
+    me = -1;
+    for (const auto& [id, ordinal] : st.local_ordinal)
+      if (ordinal == device) me = id;
+    if (me < 0) {
+      message = "peer dispatch: GPU " + std::to_string(device) +
+                " was not registered for the multi-process peer path (mok_jax registers the mesh when it traces "
+                "the call)";
+      return message.c_str();
+    }
+  } else if (!st.all_ready && st.error.empty()) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) st.error = "cannot enumerate the GPUs";
+    for (int d = 0; d < count && st.error.empty(); ++d) st.error = detail::set_up_device_locked(d);
+    st.all_ready = st.error.empty();
+  }
+  if (!st.error.empty()) {
+    message = "peer dispatch: " + st.error;
+    return message.c_str();
+  }
   size_t begin = 0;
   int rank = 0;
-  message = find_peer_rank(device, devices, ranks, &begin, &rank);
+  message = find_peer_rank(me, devices, ranks, &begin, &rank);
   if (!message.empty()) return message.c_str();
   const std::vector<int32_t> group(devices.begin() + begin, devices.begin() + begin + ranks);
 
-  std::lock_guard<std::mutex> lock(g_mutex);
-  if (!g_rt.ready && g_rt.error.empty()) {
-    g_rt.error = init_locked();
-    g_rt.ready = g_rt.error.empty();
+  // Every rank of a group takes the same slot: groups are first used in the
+  // same order everywhere (the same SPMD program), in every process too.
+  auto it = st.slot.find(group);
+  if (it == st.slot.end()) {
+    if (st.next_slot == kPeerGroupSlots) {
+      message = "peer dispatch: more than " + std::to_string(kPeerGroupSlots) + " distinct device groups in one process";
+      return message.c_str();
+    }
+    it = st.slot.emplace(group, st.next_slot++).first;
   }
-  if (!g_rt.ready) {
-    message = "peer dispatch: " + g_rt.error;
-    return message.c_str();
-  }
-  const int n_dev = static_cast<int>(g_rt.pool.size() / kPeerGroupSlots);
-  for (int32_t d : group)
-    if (d < 0 || d >= n_dev) {
+  PeerGroup g;
+  for (int s = 0; s < ranks; ++s) {
+    const int32_t d = group[s];
+    int ordinal = -1;
+    if (!st.ipc) {
+      ordinal = d;
+    } else if (auto l = st.local_ordinal.find(d); l != st.local_ordinal.end()) {
+      ordinal = l->second;
+    } else if (auto r = st.remote.find(d); r != st.remote.end()) {
+      g.ctl[s] = r->second.pool + it->second;
+      g.delta[s] = r->second.delta;
+      continue;
+    } else {
+      message = "peer dispatch: device " + std::to_string(d) + " of the group has no IPC registration";
+      return message.c_str();
+    }
+    if (ordinal < 0 || static_cast<size_t>(ordinal + 1) * kPeerGroupSlots > st.pool.size() ||
+        st.pool[ordinal * kPeerGroupSlots] == nullptr) {
       message = "peer dispatch: device " + std::to_string(d) + " is not a visible GPU";
       return message.c_str();
     }
-  auto it = g_rt.slot.find(group);
-  if (it == g_rt.slot.end()) {
-    if (g_rt.next_slot == kPeerGroupSlots) {
-      message = "peer dispatch: more than " + std::to_string(kPeerGroupSlots) +
-                " distinct device groups in one process";
+    g.ctl[s] = st.pool[ordinal * kPeerGroupSlots + it->second];
+  }
+  if (st.ipc) {
+    auto sg = st.staging.find(device);
+    if (sg == st.staging.end()) {
+      message = "peer dispatch: GPU " + std::to_string(device) + " has no IPC staging buffer";
       return message.c_str();
     }
-    it = g_rt.slot.emplace(group, g_rt.next_slot++).first;
+    g.staging = sg->second.first;
+    g.staging_bytes = sg->second.second;
   }
-  PeerGroup g;
-  for (int s = 0; s < ranks; ++s) g.ctl[s] = g_rt.pool[group[s] * kPeerGroupSlots + it->second];
   g.rank = rank;
   g.ranks = ranks;
   g.timeout_ns = timeout_ns;

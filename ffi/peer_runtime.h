@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "peer_forward.h"
@@ -31,5 +32,20 @@ constexpr int kPeerGroupSlots = 16;
 // nullptr or an error message (static storage or the thread's last message).
 const char* peer_group_for(int device, const std::vector<int32_t>& devices, int ranks, uint64_t timeout_ns,
                            PeerGroup* out);
+
+// Several processes (CUDA IPC; mok_jax/_peer_ipc.py drives these at trace
+// time, before any call of the mesh runs, and swaps the blobs through the
+// jax.distributed key-value store). From the first export on, the process's
+// peer calls name devices by global id.
+//
+// peer_ipc_export: sets up GPU `ordinal` (global id `global_id`) if needed,
+// grows its staging buffer to at least `staging_bytes` (never shrunk; a
+// replaced buffer stays allocated, calls already queued may still use it),
+// and returns in *blob what another process needs to map its control blocks
+// and staging. "" or why not.
+std::string peer_ipc_export(int ordinal, int32_t global_id, size_t staging_bytes, std::string* blob);
+// Maps another process's exported device (a blob of peer_ipc_export; one of
+// this process is recognised and skipped). "" or why not.
+std::string peer_ipc_import(const std::string& blob);
 
 }  // namespace mok::cuda

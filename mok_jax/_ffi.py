@@ -192,6 +192,13 @@ def _peer_cuda_dims(inputs, ranks, round_rows):
     return (*x.shape, F, E_l * ranks, ids.shape[1], wsg.shape[1], ranks, round_rows)
 
 
+def _peer_cuda_setup(devices, dims, timeout_ms):
+    """Several processes: stage and map the group's devices (_peer_ipc.py)."""
+    if jax.process_count() > 1:
+        from . import _peer_ipc
+        _peer_ipc.ensure(devices, dims, timeout_ms)
+
+
 def _peer_workspace(size_fn, dims):
     nbytes = size_fn(*dims)
     if nbytes == 0:
@@ -215,6 +222,7 @@ def peer_forward_call(platform, inputs, devices, ranks, timeout_ms, round_rows=0
     attrs = _peer_attrs(devices, ranks, timeout_ms)
     if platform == "cuda":
         dims = _peer_cuda_dims(inputs, ranks, round_rows)
+        _peer_cuda_setup(devices, dims, timeout_ms)
         nbytes = _peer_workspace(_mok_cuda.peer_forward_workspace_bytes, dims)
         C, F = _mok_cuda.peer_round_rows(*dims), dims[2]
         types += [_result((nbytes,), np.uint8, x), _result((C, F), x.dtype, x),
@@ -236,6 +244,7 @@ def peer_backward_call(platform, dy, inputs, kept, devices, ranks, timeout_ms, r
     attrs = _peer_attrs(devices, ranks, timeout_ms)
     if platform == "cuda":
         dims = _peer_cuda_dims(inputs, ranks, round_rows)
+        _peer_cuda_setup(devices, dims, timeout_ms)
         types.append(_result((_peer_workspace(_mok_cuda.peer_backward_workspace_bytes, dims),),
                              np.uint8, x))
         attrs["round_rows"] = np.int32(round_rows)

@@ -89,7 +89,8 @@ def check_dispatch(dispatch):
 def _resolve_dispatch(dispatch, impl, mesh):
     """The dispatch a mesh call runs: "peer" only when asked for ("auto" is
     "collective" until the peer path has run on several GPUs, see
-    docs/scaling.md), on devices of this process, with a C++ kernel."""
+    docs/scaling.md), with a C++ kernel: CPU devices of this process, or GPUs
+    of any processes (several through CUDA IPC, _peer_ipc.py)."""
     if dispatch != "peer":
         return "collective"
     if impl not in ("cpu", "cuda"):
@@ -97,18 +98,23 @@ def _resolve_dispatch(dispatch, impl, mesh):
                          f"resolved to {impl!r}; use implementation='cuda' (GPU) or 'cpu'")
     devices = np.asarray(mesh.devices).reshape(-1)
     foreign = [d for d in devices if d.process_index != jax.process_index()]
-    if foreign:
+    if foreign and impl == "cpu":
         raise NotImplementedError(
-            f"dispatch='peer' needs every mesh device in this process (device {foreign[0]} is in "
-            f"process {foreign[0].process_index}): the multi-process peer path (CUDA IPC) is not "
-            f"built yet ({ISSUE}); use dispatch='collective' across processes")
+            f"dispatch='peer' over CPU devices needs every mesh device in this process (device "
+            f"{foreign[0]} is in process {foreign[0].process_index}): CPU devices of different "
+            f"processes share no memory; use dispatch='collective' across processes (GPUs of "
+            f"several processes use CUDA IPC)")
     return "peer"
 
 
 def _peer_devices(mesh, axis):
-    """Device ordinals of every expert-axis group, rank-major: the FFI call's
-    ``devices`` attribute (each device finds its group and rank in it)."""
+    """Every expert-axis group's devices, rank-major: the FFI call's
+    ``devices`` attribute (each device finds its group and rank in it). One
+    process: device ordinals. Several: global device ids (the CUDA runtime
+    maps them, _peer_ipc.py)."""
     grid = np.moveaxis(np.asarray(mesh.devices), list(mesh.axis_names).index(axis), -1)
+    if jax.process_count() > 1:
+        return tuple(int(d.id) for d in grid.reshape(-1))
     return tuple(int(d.local_hardware_id if d.local_hardware_id is not None else d.id)
                  for d in grid.reshape(-1))
 

@@ -7,7 +7,8 @@ Each process owns 2 CPU devices; the 2 processes form one 4-device mesh
 collectives. Both build the same global inputs from SEED, run the
 dispatch="collective" layer (forward and every gradient) and compare the
 gathered global results with the single-process EP=1 kernel; dispatch="peer"
-across the processes must raise NotImplementedError (no CUDA IPC yet). Exit status 0
+across the processes must raise NotImplementedError (CPU devices of two
+processes share no memory; GPUs use CUDA IPC, tests/gpu_ipc_worker.py). Exit status 0
 and a final "EP_WORKER_OK" line mean every check passed.
 """
 
@@ -88,7 +89,7 @@ def main():
     try:
         loss(*glob, mesh=mesh, expert_axis="expert", dispatch="peer")
     except NotImplementedError as e:
-        assert "dispatch='peer' needs every mesh device in this process" in str(e), e
+        assert "dispatch='peer' over CPU devices needs every mesh device in this process" in str(e), e
     else:
         raise AssertionError("dispatch='peer' across processes did not raise")
     print(f"process {pid}: peer across processes refused OK", flush=True)

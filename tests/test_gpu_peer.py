@@ -180,6 +180,42 @@ def test_jax_peer_layer_gradients():
         assert_close(name, a, jnp.asarray(b, jnp.float32), jnp.bfloat16)
 
 
+def test_jax_peer_recompute_and_modules_with_a_mesh():
+    """recompute=True with dispatch="peer" (the backward gets zero-size kept
+    operands and recomputes every round): gradients bitwise those of the
+    default (round 0 kept), the same GEMMs on the same rows. And the Flax nnx
+    module with a mesh and dispatch="peer" matches the module without one
+    (bf16 tolerance: the router runs inside shard_map there)."""
+    _need_jax_cuda()
+    T, H, F, E, K = 512, 256, 256, 16, 4
+    x, _, wg, wu, wd, _ = make_problem(T, H, F, E, dtype=jnp.bfloat16)
+    ids, _ = _routing("uniform", T, E, K)
+    w = jax.random.uniform(fresh_key(), (T, K), minval=0.1)
+    ct = jax.random.normal(fresh_key(), (T, H))
+    mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
+
+    def grads(recompute):
+        def loss(x, w, wg, wu, wd):
+            y = parallel.experts_parallel(x, ids, w, wg, wu, wd, mesh=mesh, expert_axis="expert",
+                                          implementation="cuda", dispatch="peer", recompute=recompute)
+            return jnp.sum(y.astype(jnp.float32) * ct)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, w, wg, wu, wd)
+
+    for name, a, b in zip(("dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down"), grads(True), grads(False)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+    from flax import nnx
+    import mok_jax.nnx as mnnx
+    kw = dict(hidden_size=H, ffn_size=F, num_experts=E, top_k=K, implementation="cuda",
+              dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    m0 = mnnx.MoE(**kw, rngs=nnx.Rngs(0))
+    m1 = mnnx.MoE(**kw, mesh=mesh, expert_axis="expert", dispatch="peer", rngs=nnx.Rngs(0))
+    xs = x.reshape(4, T // 4, H)
+    y0, y1 = m0(xs), m1(xs)
+    y0, y1 = (y[0] if isinstance(y, tuple) else y for y in (y0, y1))
+    assert_close("nnx module, peer mesh", y1, jnp.asarray(y0, jnp.float32), jnp.bfloat16)
+
+
 def test_jax_peer_all_gpus_of_the_host():
     """Every GPU of the host as one expert group (NVLink pulls and pushes)."""
     _need_jax_cuda()
@@ -191,3 +227,31 @@ def test_jax_peer_all_gpus_of_the_host():
     for case in [(1024 * n, 1024, 512, 8 * n, 4, 0, "uniform"),
                  (256 * n, 1024, 512, 8 * n, 2, 256, "one_rank")]:
         _peer_vs_cuda(mesh, case, bitwise_grads=False)
+
+
+def test_jax_peer_two_processes_over_cuda_ipc():
+    """Two processes sharing this GPU form one expert group: the multi-process
+    peer path (CUDA IPC staging, handles swapped through jax.distributed)
+    matches EP = 1 (tests/gpu_ipc_worker.py says what is checked)."""
+    _need_jax_cuda()
+    import socket
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = os.path.join(os.path.dirname(__file__), "gpu_ipc_worker.py")
+    seed = int(jax.random.randint(fresh_key(), (), 0, 2**30))
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), str(seed)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        print(out[-4000:])
+        assert p.returncode == 0 and "IPC_WORKER_OK" in out, f"process {i}:\n{out[-3000:]}"

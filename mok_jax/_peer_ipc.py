@@ -1,0 +1,68 @@
+"""The multi-process CUDA peer path's set-up (ffi/peer_ipc.cu).
+
+A peer call whose expert group spans several processes cannot publish XLA's
+buffer addresses (they are private to a process), so each rank stages its
+inputs and return rows in a library-owned buffer exported as a CUDA IPC
+handle. This module, at trace time (every process traces the same SPMD
+program in the same order, before any call of it runs):
+
+- sizes the staging buffer of this process's devices in the group for the
+  traced shapes (grown, never shrunk; ``_mok_cuda.peer_staging_bytes``),
+- exports their control blocks and staging (``_mok_cuda.peer_ipc_export``),
+- swaps the handles with the other processes through the ``jax.distributed``
+  key-value store (no device collective: it works before any NCCL
+  communicator exists, and when two processes share a GPU, which NCCL
+  refuses), and maps theirs (``_mok_cuda.peer_ipc_import``).
+
+Meshes that share a device must span the same processes: a growth of a
+device's staging is announced to the processes of the mesh being traced.
+"""
+
+import jax
+
+_STAGED = {}  # device list -> staging bytes exchanged for it
+_EPOCH = {}   # device list -> number of exchanges (a fresh key-value key each)
+
+
+def _client():
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("dispatch='peer' over devices of several processes needs "
+                           "jax.distributed.initialize() first (its key-value store carries "
+                           "the CUDA IPC handles)")
+    return client
+
+
+def ensure(devices, dims, timeout_ms):
+    """Makes every device of ``devices`` (global ids) reachable from this
+    process with a staging buffer big enough for ``dims`` = (T_local, H, F, E,
+    K, Fs, ...) as _ffi._peer_cuda_dims gives them."""
+    from . import _mok_cuda
+    need = int(_mok_cuda.peer_staging_bytes(*dims[:6]))
+    if need == 0:
+        T, H, F, E = dims[:4]
+        raise ValueError(f"dispatch='peer': the CUDA peer kernels reject this problem "
+                         f"(T={T}, H={H}, F={F}, E={E})")
+    group = tuple(sorted(set(int(d) for d in devices)))
+    have = _STAGED.get(group, 0)
+    if have >= need:
+        return
+    size = max(need, 2 * have)  # the same on every process: the same shapes in the same order
+    epoch = _EPOCH[group] = _EPOCH.get(group, 0) + 1
+    client = _client()
+    by_id = {d.id: d for d in jax.devices()}
+    me = jax.process_index()
+    prefix = f"mok_jax/peer_ipc/{'-'.join(map(str, group))}/{epoch}"
+    missing = [i for i in group if i not in by_id]
+    if missing:
+        raise ValueError(f"dispatch='peer': device ids {missing} are not devices of this job")
+    for i in group:
+        d = by_id[i]
+        if d.process_index == me:
+            blob = _mok_cuda.peer_ipc_export(int(d.local_hardware_id), i, size)
+            client.key_value_set_bytes(f"{prefix}/{i}", blob)
+    for i in group:
+        if by_id[i].process_index != me:
+            _mok_cuda.peer_ipc_import(client.blocking_key_value_get_bytes(f"{prefix}/{i}", timeout_ms))
+    _STAGED[group] = size
