@@ -193,9 +193,10 @@ def _peer_cuda_dims(inputs, ranks, round_rows):
 
 
 def _peer_cuda_setup(devices, dims, timeout_ms):
-    """Several processes: stage and map the group's devices (_peer_ipc.py)."""
-    if jax.process_count() > 1:
-        from . import _peer_ipc
+    """Several processes (or MOK_JAX_PEER_STAGING=1): stage and map the
+    group's devices (_peer_ipc.py)."""
+    from . import _peer_ipc
+    if _peer_ipc.active():
         _peer_ipc.ensure(devices, dims, timeout_ms)
 
 

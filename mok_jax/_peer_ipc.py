@@ -16,12 +16,31 @@ program in the same order, before any call of it runs):
 
 Meshes that share a device must span the same processes: a growth of a
 device's staging is announced to the processes of the mesh being traced.
+
+``MOK_JAX_PEER_STAGING=1`` puts a single-process job on this path too (every
+device local: nothing to swap, no jax.distributed needed): the fallback for
+an allocator whose buffers peers cannot reach, at one copy of the inputs per
+call. Read when a process first traces a peer call; set it before.
 """
+
+import os
 
 import jax
 
 _STAGED = {}  # device list -> staging bytes exchanged for it
 _EPOCH = {}   # device list -> number of exchanges (a fresh key-value key each)
+
+
+def active():
+    """Whether this process's CUDA peer calls take the staged path (device
+    lists of global ids, ensure() before each call is traced)."""
+    global _ACTIVE
+    if _ACTIVE is None:
+        _ACTIVE = jax.process_count() > 1 or os.environ.get("MOK_JAX_PEER_STAGING", "0") == "1"
+    return _ACTIVE
+
+
+_ACTIVE = None
 
 
 def _client():
@@ -49,20 +68,21 @@ def ensure(devices, dims, timeout_ms):
     if have >= need:
         return
     size = max(need, 2 * have)  # the same on every process: the same shapes in the same order
-    epoch = _EPOCH[group] = _EPOCH.get(group, 0) + 1
-    client = _client()
     by_id = {d.id: d for d in jax.devices()}
     me = jax.process_index()
-    prefix = f"mok_jax/peer_ipc/{'-'.join(map(str, group))}/{epoch}"
     missing = [i for i in group if i not in by_id]
     if missing:
         raise ValueError(f"dispatch='peer': device ids {missing} are not devices of this job")
+    remote = [i for i in group if by_id[i].process_index != me]
+    client = _client() if remote else None
+    epoch = _EPOCH[group] = _EPOCH.get(group, 0) + 1
+    prefix = f"mok_jax/peer_ipc/{'-'.join(map(str, group))}/{epoch}"
     for i in group:
         d = by_id[i]
         if d.process_index == me:
             blob = _mok_cuda.peer_ipc_export(int(d.local_hardware_id), i, size)
-            client.key_value_set_bytes(f"{prefix}/{i}", blob)
-    for i in group:
-        if by_id[i].process_index != me:
-            _mok_cuda.peer_ipc_import(client.blocking_key_value_get_bytes(f"{prefix}/{i}", timeout_ms))
+            if client is not None:
+                client.key_value_set_bytes(f"{prefix}/{i}", blob)
+    for i in remote:
+        _mok_cuda.peer_ipc_import(client.blocking_key_value_get_bytes(f"{prefix}/{i}", timeout_ms))
     _STAGED[group] = size

@@ -110,10 +110,11 @@ def _resolve_dispatch(dispatch, impl, mesh):
 def _peer_devices(mesh, axis):
     """Every expert-axis group's devices, rank-major: the FFI call's
     ``devices`` attribute (each device finds its group and rank in it). One
-    process: device ordinals. Several: global device ids (the CUDA runtime
-    maps them, _peer_ipc.py)."""
+    process: device ordinals. Several (or the staged path forced on GPUs):
+    global device ids, which the CUDA runtime maps (_peer_ipc.py)."""
+    from . import _peer_ipc
     grid = np.moveaxis(np.asarray(mesh.devices), list(mesh.axis_names).index(axis), -1)
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 or (grid.flat[0].platform == "gpu" and _peer_ipc.active()):
         return tuple(int(d.id) for d in grid.reshape(-1))
     return tuple(int(d.local_hardware_id if d.local_hardware_id is not None else d.id)
                  for d in grid.reshape(-1))

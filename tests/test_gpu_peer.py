@@ -113,6 +113,9 @@ def _peer_vs_cuda(mesh, case, bitwise_grads=True):
         (_, y1), g1 = peer(x, w, wg, wu, wd, sh)
         np.testing.assert_array_equal(np.asarray(y1).view(np.uint16), np.asarray(y0).view(np.uint16))
     assert_close("peer y", y1, ref, jnp.bfloat16)
+    if os.environ.get("MOK_JAX_PEER_STAGING") == "1":  # the staged path was taken
+        from mok_jax import _peer_ipc
+        assert _peer_ipc.active() and _peer_ipc._STAGED, _peer_ipc._STAGED
     names = ("dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down", "shared")
     for name, a, b in zip(names, g1, g0):
         for la, lb in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -227,6 +230,21 @@ def test_jax_peer_all_gpus_of_the_host():
     for case in [(1024 * n, 1024, 512, 8 * n, 4, 0, "uniform"),
                  (256 * n, 1024, 512, 8 * n, 2, 256, "one_rank")]:
         _peer_vs_cuda(mesh, case, bitwise_grads=False)
+
+
+def test_jax_peer_staged_in_one_process():
+    """MOK_JAX_PEER_STAGING=1 (every peer buffer in the library's exported
+    staging, as across processes, here with a table of one): the one-GPU
+    cases with a shared expert and with masked tokens, bitwise EP = 1, in a
+    fresh process (the switch is read once)."""
+    _need_jax_cuda()
+    import sys
+    env = dict(os.environ, MOK_JAX_PEER_STAGING="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                          os.path.abspath(__file__), "-k", "one_gpu_equals_ep1 and (one_rank or masked)"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=400)
+    print(run.stdout[-3000:], run.stderr[-2000:])
+    assert run.returncode == 0 and "2 passed" in run.stdout
 
 
 def test_jax_peer_two_processes_over_cuda_ipc():

@@ -95,6 +95,21 @@ def test_ensure_round_trip(monkeypatch):
     assert store.kv["mok_jax/peer_ipc/0-1-2-3/2/0"] == b"0:0:20000"
 
 
+def test_one_process_staged_needs_no_store(monkeypatch):
+    """MOK_JAX_PEER_STAGING=1 in one process: every device local, exported,
+    nothing swapped (no jax.distributed client)."""
+    rt = FakeRuntime(0)
+    _as_process(monkeypatch, 0, rt, None)
+    _peer_ipc.ensure((0, 1), (10, 64, 64, 8, 2, 0), 1000)
+    assert rt.exports == [(0, 0, 10000), (1, 1, 10000)] and rt.imports == []
+    monkeypatch.setattr(_peer_ipc, "_ACTIVE", None)
+    monkeypatch.setenv("MOK_JAX_PEER_STAGING", "1")
+    assert _peer_ipc.active()
+    monkeypatch.setattr(_peer_ipc, "_ACTIVE", None)
+    monkeypatch.setenv("MOK_JAX_PEER_STAGING", "0")
+    assert not _peer_ipc.active()  # one process, not forced
+
+
 def test_missing_peer_and_missing_distributed_are_clear_errors(monkeypatch):
     store, rt = FakeStore(), FakeRuntime(0)
     _as_process(monkeypatch, 0, rt, store)
