@@ -126,6 +126,19 @@ ffi::Error BackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf 
       });
 }
 
+// The bf16 problem the size functions of the Python module describe.
+Problem bf16_problem(int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs) {
+  Problem p;
+  p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
+  p.dtype = DType::kBF16;
+  return p;
+}
+
+// The round size of a peer call: the requested one, or (0) the default.
+int64_t peer_round_rows(const Problem& p, int ranks, int64_t requested) {
+  return requested > 0 ? requested : cuda::peer_default_round_rows(p, ranks);
+}
+
 // This GPU's PeerGroup and round size for a peer call, or an error.
 std::string peer_setup(const Problem& p, ffi::Span<const int32_t> devices, int32_t ranks, int32_t timeout_ms,
                        int32_t round_rows, cuda::PeerGroup* group, int64_t* C) {
@@ -135,7 +148,7 @@ std::string peer_setup(const Problem& p, ffi::Span<const int32_t> devices, int32
   const std::vector<int32_t> list(devices.begin(), devices.end());
   const uint64_t timeout_ns = static_cast<uint64_t>(timeout_ms > 0 ? timeout_ms : 1) * 1000000ull;
   if (const char* err = cuda::peer_group_for(dev, list, ranks, timeout_ns, group)) return err;
-  *C = round_rows > 0 ? round_rows : cuda::peer_default_round_rows(p, ranks);
+  *C = peer_round_rows(p, ranks, round_rows);
   if (const char* err = cuda::peer_check(p, ranks, *C)) return err;
   return {};
 }
@@ -263,47 +276,36 @@ NB_MODULE(_mok_cuda, m) {
   m.def("forward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K,
                                       int64_t Fs, int32_t persistent, int32_t dispatch_ctas,
                                       int32_t minibatch_rows, int32_t ring_rows) {
-    mok::Problem p;
-    p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
-    p.dtype = mok::DType::kBF16;
     return mok::cuda::forward_workspace_bytes(
-        p, mok::cuda::MegakernelConfig{persistent, dispatch_ctas, minibatch_rows, ring_rows});
+        mok::bf16_problem(T, H, F, E, K, Fs),
+        mok::cuda::MegakernelConfig{persistent, dispatch_ctas, minibatch_rows, ring_rows});
+  });
+  m.def("backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs) {
+    return mok::cuda::backward_workspace_bytes(mok::bf16_problem(T, H, F, E, K, Fs));
   });
   // peer_forward_workspace_bytes(T_local, H, F, E, K, Fs, ranks, round_rows):
   // 0 when rejected; round_rows 0 = the default (peer_default_round_rows).
   m.def("peer_forward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs,
                                            int32_t ranks, int64_t round_rows) -> size_t {
-    mok::Problem p;
-    p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
-    p.dtype = mok::DType::kBF16;
-    const int64_t C = round_rows > 0 ? round_rows : mok::cuda::peer_default_round_rows(p, ranks);
-    return mok::cuda::peer_forward_workspace_bytes(p, ranks, C);
+    const mok::Problem p = mok::bf16_problem(T, H, F, E, K, Fs);
+    return mok::cuda::peer_forward_workspace_bytes(p, ranks, mok::peer_round_rows(p, ranks, round_rows));
   });
   m.def("peer_backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs,
                                             int32_t ranks, int64_t round_rows) -> size_t {
-    mok::Problem p;
-    p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
-    p.dtype = mok::DType::kBF16;
-    const int64_t C = round_rows > 0 ? round_rows : mok::cuda::peer_default_round_rows(p, ranks);
-    return mok::cuda::peer_backward_workspace_bytes(p, ranks, C);
+    const mok::Problem p = mok::bf16_problem(T, H, F, E, K, Fs);
+    return mok::cuda::peer_backward_workspace_bytes(p, ranks, mok::peer_round_rows(p, ranks, round_rows));
   });
   // The round size a peer call uses (round_rows 0 = the default): the kept
   // pre-activations are [peer_round_rows, F].
   m.def("peer_round_rows", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs, int32_t ranks,
                               int64_t round_rows) -> int64_t {
-    mok::Problem p;
-    p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
-    p.dtype = mok::DType::kBF16;
-    return round_rows > 0 ? round_rows : mok::cuda::peer_default_round_rows(p, ranks);
+    return mok::peer_round_rows(mok::bf16_problem(T, H, F, E, K, Fs), ranks, round_rows);
   });
   // The multi-process peer path (peer_runtime.h; driven by mok_jax/_peer_ipc.py):
   // peer_staging_bytes(T_local, H, F, E, K, Fs), peer_ipc_export(ordinal,
   // global_id, staging_bytes) -> bytes, peer_ipc_import(bytes). Errors raise.
   m.def("peer_staging_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs) -> size_t {
-    mok::Problem p;
-    p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
-    p.dtype = mok::DType::kBF16;
-    return mok::cuda::peer_staging_bytes(p);
+    return mok::cuda::peer_staging_bytes(mok::bf16_problem(T, H, F, E, K, Fs));
   });
   m.def("peer_ipc_export", [](int ordinal, int32_t global_id, size_t staging_bytes) {
     std::string blob;
@@ -316,11 +318,4 @@ NB_MODULE(_mok_cuda, m) {
     if (std::string e = mok::cuda::peer_ipc_import(b); !e.empty()) throw std::runtime_error(e);
   });
   m.def("captured_calls", []() { return mok::g_captured_calls.load(); });
-  m.def("backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K,
-                                       int64_t Fs) {
-    mok::Problem p;
-    p.tokens = T, p.hidden = H, p.ffn = F, p.experts = E, p.top_k = K, p.shared_ffn = Fs;
-    p.dtype = mok::DType::kBF16;
-    return mok::cuda::backward_workspace_bytes(p);
-  });
 }

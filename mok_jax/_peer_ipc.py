@@ -27,8 +27,9 @@ import os
 
 import jax
 
-_STAGED = {}  # device list -> staging bytes exchanged for it
-_EPOCH = {}   # device list -> number of exchanges (a fresh key-value key each)
+# device list -> (staging bytes exchanged for it, number of exchanges: each
+# one gets fresh key-value keys)
+_STAGED = {}
 
 
 def active():
@@ -64,7 +65,7 @@ def ensure(devices, dims, timeout_ms):
         raise ValueError(f"dispatch='peer': the CUDA peer kernels reject this problem "
                          f"(T={T}, H={H}, F={F}, E={E})")
     group = tuple(sorted(set(int(d) for d in devices)))
-    have = _STAGED.get(group, 0)
+    have, epoch = _STAGED.get(group, (0, 0))
     if have >= need:
         return
     size = max(need, 2 * have)  # the same on every process: the same shapes in the same order
@@ -75,7 +76,7 @@ def ensure(devices, dims, timeout_ms):
         raise ValueError(f"dispatch='peer': device ids {missing} are not devices of this job")
     remote = [i for i in group if by_id[i].process_index != me]
     client = _client() if remote else None
-    epoch = _EPOCH[group] = _EPOCH.get(group, 0) + 1
+    epoch += 1
     prefix = f"mok_jax/peer_ipc/{'-'.join(map(str, group))}/{epoch}"
     for i in group:
         d = by_id[i]
@@ -85,4 +86,4 @@ def ensure(devices, dims, timeout_ms):
                 client.key_value_set_bytes(f"{prefix}/{i}", blob)
     for i in remote:
         _mok_cuda.peer_ipc_import(client.blocking_key_value_get_bytes(f"{prefix}/{i}", timeout_ms))
-    _STAGED[group] = size
+    _STAGED[group] = (size, epoch)

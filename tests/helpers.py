@@ -116,3 +116,28 @@ def curve_gap(a, b, steps, window):
     lb = np.array([b["losses"][s] for s in range(steps)])
     means = lambda l: l[: steps // window * window].reshape(-1, window).mean(1)
     return float(np.max(np.abs(means(la) - means(lb))))
+
+
+def run_worker_processes(worker, args_of, n, ok_marker, env, timeout):
+    """Starts `n` localhost processes of the script `worker` (process i gets
+    the arguments args_of(i, port), port a free coordinator port), waits for
+    all, and asserts each exited 0 printing `ok_marker`. Returns the outputs."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, worker, *map(str, args_of(i, port))], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env) for i in range(n)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and ok_marker in out, f"process {i}:\n{out[-3000:]}"
+    return outs

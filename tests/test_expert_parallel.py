@@ -5,9 +5,6 @@ meshes, and two processes over jax.distributed (gloo)."""
 
 import functools
 import os
-import socket
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import mok_jax
 from mok_jax import parallel
-from helpers import assert_close, fresh_key, make_problem
+from helpers import assert_close, fresh_key, make_problem, run_worker_processes
 
 TOL = 1e-5
 H, F, FS = 16, 24, 8
@@ -369,30 +366,12 @@ def test_cuda_path_lowers_for_gpu():
         assert "all_to_all" in hlo and hlo.count("stablehlo.while") >= loops
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_gloo():
     """Two processes on localhost (jax.distributed, gloo CPU collectives), 2 CPU
     devices each: data x expert and expert=4 meshes whose expert axis spans both
     processes run dispatch='collective' and match EP=1; dispatch='peer' there
     is refused with a clear error."""
     worker = os.path.join(os.path.dirname(__file__), "ep_worker.py")
-    port, seed = _free_port(), int(jax.random.randint(fresh_key(), (), 0, 2**30))
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, worker, str(i), "2", str(port), str(seed)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=120)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and "EP_WORKER_OK" in out, f"process {i}:\n{out[-3000:]}"
+    seed = int(jax.random.randint(fresh_key(), (), 0, 2**30))
+    run_worker_processes(worker, lambda i, port: (i, 2, port, seed), 2, "EP_WORKER_OK",
+                         dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)

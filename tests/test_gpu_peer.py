@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 import mok_jax
 from mok_jax import _ffi, parallel
-from helpers import assert_close, fresh_key, make_problem
+from helpers import assert_close, fresh_key, make_problem, run_worker_processes
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -252,24 +252,8 @@ def test_jax_peer_two_processes_over_cuda_ipc():
     peer path (CUDA IPC staging, handles swapped through jax.distributed)
     matches EP = 1 (tests/gpu_ipc_worker.py says what is checked)."""
     _need_jax_cuda()
-    import socket
-    import sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     worker = os.path.join(os.path.dirname(__file__), "gpu_ipc_worker.py")
     seed = int(jax.random.randint(fresh_key(), (), 0, 2**30))
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), str(seed)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        print(out[-4000:])
-        assert p.returncode == 0 and "IPC_WORKER_OK" in out, f"process {i}:\n{out[-3000:]}"
+    outs = run_worker_processes(worker, lambda i, port: (i, port, seed), 2, "IPC_WORKER_OK",
+                                dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"), timeout=240)
+    print(outs[0][-4000:])

@@ -61,37 +61,32 @@ def _as_process(monkeypatch, process, runtime, store):
 @pytest.fixture(autouse=True)
 def fresh_state(monkeypatch):
     monkeypatch.setattr(_peer_ipc, "_STAGED", {})
-    monkeypatch.setattr(_peer_ipc, "_EPOCH", {})
 
 
-def _run(monkeypatch, process, runtime, store, T, saved):
-    """ensure() as `process`, with that process's module state."""
-    _peer_ipc._STAGED.clear(), _peer_ipc._EPOCH.clear()
-    _peer_ipc._STAGED.update(saved[process][0]), _peer_ipc._EPOCH.update(saved[process][1])
-    _as_process(monkeypatch, process, runtime, store)
+def _run(monkeypatch, runtime, store, T):
+    """ensure() as process 0 of the 4-device group, for T tokens."""
+    _as_process(monkeypatch, 0, runtime, store)
     _peer_ipc.ensure((0, 1, 2, 3), (T, 64, 64, 8, 2, 0), 1000)
-    saved[process] = (dict(_peer_ipc._STAGED), dict(_peer_ipc._EPOCH))
 
 
 def test_ensure_round_trip(monkeypatch):
-    store, rts = FakeStore(), [FakeRuntime(0), FakeRuntime(1)]
-    saved = {0: ({}, {}), 1: ({}, {})}
+    store, rt = FakeStore(), FakeRuntime(0)
     # Pre-publish process 1's blobs of epoch 1 so process 0's blocking gets succeed.
     for d in (2, 3):
         store.key_value_set_bytes(f"mok_jax/peer_ipc/0-1-2-3/1/{d}", f"1:{d}:10000".encode())
-    _run(monkeypatch, 0, rts[0], store, 10, saved)
-    assert rts[0].exports == [(0, 0, 10000), (1, 1, 10000)]  # ordinals of its own devices, exact size
-    assert rts[0].imports == ["1:2:10000", "1:3:10000"]        # the other process's devices only
+    _run(monkeypatch, rt, store, 10)
+    assert rt.exports == [(0, 0, 10000), (1, 1, 10000)]  # ordinals of its own devices, exact size
+    assert rt.imports == ["1:2:10000", "1:3:10000"]        # the other process's devices only
     # The same or a smaller shape: nothing exchanged again.
-    _run(monkeypatch, 0, rts[0], store, 10, saved)
-    _run(monkeypatch, 0, rts[0], store, 5, saved)
-    assert len(rts[0].exports) == 2 and len(store.kv) == 4
+    _run(monkeypatch, rt, store, 10)
+    _run(monkeypatch, rt, store, 5)
+    assert len(rt.exports) == 2 and len(store.kv) == 4
     # A bigger one: a new epoch, staging at least doubled.
     for d in (2, 3):
         store.key_value_set_bytes(f"mok_jax/peer_ipc/0-1-2-3/2/{d}", f"1:{d}:20000".encode())
-    _run(monkeypatch, 0, rts[0], store, 11, saved)
-    assert rts[0].exports[2:] == [(0, 0, 20000), (1, 1, 20000)]
-    assert rts[0].imports[2:] == ["1:2:20000", "1:3:20000"]
+    _run(monkeypatch, rt, store, 11)
+    assert rt.exports[2:] == [(0, 0, 20000), (1, 1, 20000)]
+    assert rt.imports[2:] == ["1:2:20000", "1:3:20000"]
     assert store.kv["mok_jax/peer_ipc/0-1-2-3/2/0"] == b"0:0:20000"
 
 
