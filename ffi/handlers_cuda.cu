@@ -20,6 +20,8 @@
 
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "backward_cuda.h"
 #include "ffi_args.h"
@@ -188,7 +190,7 @@ ffi::Error PeerForwardCuda(cudaStream_t stream, Buf x, Buf ids, Buf w, Buf mask,
         cuda::PeerGroup group;
         int64_t C = 0;
         if (std::string e = peer_setup(p, devices, ranks, timeout_ms, round_rows, &group, &C); !e.empty()) return e;
-        if (std::string e = check_workspace(workspace, cuda::peer_forward_workspace_bytes(p, ranks, C)); !e.empty())
+        if (std::string e = check_workspace(workspace, cuda::peer_forward_workspace_bytes(p, ranks, C, group.staging != nullptr)); !e.empty())
           return e;
         if (std::string e = check_kept(p, C, *keep_gate, *keep_up); !e.empty()) return e;
         cuda::PeerForwardArgs pa = peer_args(a);
@@ -209,7 +211,7 @@ ffi::Error PeerBackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, 
         cuda::PeerGroup group;
         int64_t C = 0;
         if (std::string e = peer_setup(p, devices, ranks, timeout_ms, round_rows, &group, &C); !e.empty()) return e;
-        if (std::string e = check_workspace(workspace, cuda::peer_backward_workspace_bytes(p, ranks, C));
+        if (std::string e = check_workspace(workspace, cuda::peer_backward_workspace_bytes(p, ranks, C, group.staging != nullptr));
             !e.empty())
           return e;
         if (std::string e = check_kept(p, C, kept_gate, kept_up, true); !e.empty()) return e;
@@ -283,17 +285,20 @@ NB_MODULE(_mok_cuda, m) {
   m.def("backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs) {
     return mok::cuda::backward_workspace_bytes(mok::bf16_problem(T, H, F, E, K, Fs));
   });
-  // peer_forward_workspace_bytes(T_local, H, F, E, K, Fs, ranks, round_rows):
-  // 0 when rejected; round_rows 0 = the default (peer_default_round_rows).
+  // peer_forward_workspace_bytes(T_local, H, F, E, K, Fs, ranks, round_rows,
+  // staged): 0 when rejected; round_rows 0 = the default
+  // (peer_default_round_rows); staged = the process's peer calls use IPC
+  // staging (mok_jax._peer_ipc.active()), whose return rows are not in the
+  // workspace.
   m.def("peer_forward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs,
-                                           int32_t ranks, int64_t round_rows) -> size_t {
+                                           int32_t ranks, int64_t round_rows, bool staged) -> size_t {
     const mok::Problem p = mok::bf16_problem(T, H, F, E, K, Fs);
-    return mok::cuda::peer_forward_workspace_bytes(p, ranks, mok::peer_round_rows(p, ranks, round_rows));
+    return mok::cuda::peer_forward_workspace_bytes(p, ranks, mok::peer_round_rows(p, ranks, round_rows), staged);
   });
   m.def("peer_backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs,
-                                            int32_t ranks, int64_t round_rows) -> size_t {
+                                            int32_t ranks, int64_t round_rows, bool staged) -> size_t {
     const mok::Problem p = mok::bf16_problem(T, H, F, E, K, Fs);
-    return mok::cuda::peer_backward_workspace_bytes(p, ranks, mok::peer_round_rows(p, ranks, round_rows));
+    return mok::cuda::peer_backward_workspace_bytes(p, ranks, mok::peer_round_rows(p, ranks, round_rows), staged);
   });
   // The round size a peer call uses (round_rows 0 = the default): the kept
   // pre-activations are [peer_round_rows, F].
@@ -317,5 +322,8 @@ NB_MODULE(_mok_cuda, m) {
     const std::string b(static_cast<const char*>(blob.data()), blob.size());
     if (std::string e = mok::cuda::peer_ipc_import(b); !e.empty()) throw std::runtime_error(e);
   });
+  // peer_access_problem(ordinals) -> "" or why those GPUs of this process
+  // cannot run the peer dispatch (no peer-to-peer between two of them).
+  m.def("peer_access_problem", [](std::vector<int32_t> ordinals) { return mok::cuda::peer_access_problem(ordinals); });
   m.def("captured_calls", []() { return mok::g_captured_calls.load(); });
 }

@@ -35,7 +35,8 @@ struct BwdLayout {
   size_t round_off, xg, dyg, gate, up, act, part, ret_dx, ret_part, s_gate, s_up, s_act, s_dx, dw_part, dw_acc, total;
 };
 
-BwdLayout make_layout(const Problem& p, int ranks, int64_t C) {
+// staged: the return rows and partial dots live in the rank's IPC staging.
+BwdLayout make_layout(const Problem& p, int ranks, int64_t C, bool staged) {
   BwdLayout L{};
   WorkspaceCarver ws;
   L.s = detail::carve_peer_schedule(p, ranks, C, true, ws);
@@ -50,8 +51,10 @@ BwdLayout make_layout(const Problem& p, int ranks, int64_t C) {
   L.up = ws.take(Cs * F * 2);
   L.act = ws.take(Cs * F * 2);
   L.part = ws.take(Cs * parts * 4);
-  L.ret_dx = ws.take(T * K * H * 2);
-  L.ret_part = ws.take(T * K * parts * 4);
+  if (!staged) {
+    L.ret_dx = ws.take(T * K * H * 2);
+    L.ret_part = ws.take(T * K * parts * 4);
+  }
   if (p.shared_ffn > 0) {
     const size_t Fs = static_cast<size_t>(p.shared_ffn);
     L.s_gate = ws.take(T * Fs * 2);
@@ -118,9 +121,9 @@ int elementwise_grid(int64_t n, int sms) {
 
 }  // namespace
 
-size_t peer_backward_workspace_bytes(const Problem& local, int ranks, int64_t round_rows) {
+size_t peer_backward_workspace_bytes(const Problem& local, int ranks, int64_t round_rows, bool staged) {
   if (peer_check(local, ranks, round_rows) != nullptr) return 0;
-  return make_layout(local, ranks, round_rows).total;
+  return make_layout(local, ranks, round_rows, staged).total;
 }
 
 const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBackwardArgs& a, void* workspace,
@@ -129,7 +132,8 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
   const PeerForwardArgs& f = a.fwd;
   for (const void* q : std::initializer_list<const void*>{a.dy, f.x, f.w_gate, f.w_up, f.w_down, a.dx, a.dw_gate, a.dw_up, a.dw_down})
     if (!aligned16(q)) return "mok peer backward: tensors must be 16-byte aligned";
-  const BwdLayout L = make_layout(p, group.ranks, C);
+  const bool staged = group.staging != nullptr;
+  const BwdLayout L = make_layout(p, group.ranks, C, staged);
   const detail::PeerSchedule& S = L.s;
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   auto i32 = [&](size_t off) { return reinterpret_cast<int32_t*>(ws + off); };
@@ -148,8 +152,9 @@ const char* peer_backward(const Problem& p, const PeerGroup& group, const PeerBa
   // 1-2. publish (with dy, the weights and the partial-dot returns), wait,
   //      gather, and the forward's schedule: the same rows in the same order
   PeerBuffers mine;
-  mine.x = f.x, mine.ids = f.topk_ids, mine.mask = f.token_mask, mine.ret = ws + L.ret_dx;
-  mine.dy = a.dy, mine.w = f.topk_weights, mine.ret_part = f32(L.ret_part);
+  // staged: stage_peer_buffers points ret / ret_part at the staging
+  mine.x = f.x, mine.ids = f.topk_ids, mine.mask = f.token_mask, mine.ret = staged ? nullptr : ws + L.ret_dx;
+  mine.dy = a.dy, mine.w = f.topk_weights, mine.ret_part = staged ? nullptr : f32(L.ret_part);
   if (const char* e = detail::stage_peer_buffers(p, group, &mine, stream)) return e;
   int sms = 0;
   if (const char* e = detail::launch_peer_prologue(p, group, mine, S, C, ws, &sms, stream)) return e;

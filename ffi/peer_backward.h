@@ -54,7 +54,8 @@ struct PeerBackwardArgs {
   const void* kept_up = nullptr;
 };
 
-size_t peer_backward_workspace_bytes(const Problem& local, int ranks, int64_t round_rows);
+// staged: as peer_forward_workspace_bytes (no return rows or partial dots).
+size_t peer_backward_workspace_bytes(const Problem& local, int ranks, int64_t round_rows, bool staged = false);
 
 const char* peer_backward(const Problem& local, const PeerGroup& group, const PeerBackwardArgs& args,
                           void* workspace, int64_t round_rows, cudaStream_t stream);

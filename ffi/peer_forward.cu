@@ -42,7 +42,9 @@ struct PeerLayout {
   size_t xg, gate, up, act, ret, s_gate, s_up, s_act, s_out, total;
 };
 
-PeerLayout make_peer_layout(const Problem& p, int ranks, int64_t C) {
+// staged: the return rows live in the rank's IPC staging (several
+// processes), so the XLA workspace holds none.
+PeerLayout make_peer_layout(const Problem& p, int ranks, int64_t C, bool staged) {
   PeerLayout L{};
   WorkspaceCarver ws;
   L.s = detail::carve_peer_schedule(p, ranks, C, false, ws);
@@ -52,7 +54,7 @@ PeerLayout make_peer_layout(const Problem& p, int ranks, int64_t C) {
   L.gate = ws.take(static_cast<size_t>(C) * F * 2);
   L.up = ws.take(static_cast<size_t>(C) * F * 2);
   L.act = ws.take(static_cast<size_t>(C) * F * 2);
-  L.ret = ws.take(T * K * H * 2);
+  if (!staged) L.ret = ws.take(T * K * H * 2);
   if (p.shared_ffn > 0) {
     const size_t Fs = static_cast<size_t>(p.shared_ffn);
     L.s_gate = ws.take(T * Fs * 2);
@@ -123,7 +125,8 @@ const char* stage_peer_buffers(const Problem& p, const PeerGroup& group, PeerBuf
       (mine->w && !b.w))
     return "mok peer dispatch: copying the inputs into the IPC staging buffer failed";
   b.ret = st + L.ret;
-  if (mine->ret_part != nullptr) b.ret_part = reinterpret_cast<float*>(st + L.part);
+  // The backward (the one call with dy) also gets its partial-dot returns here.
+  if (mine->dy != nullptr) b.ret_part = reinterpret_cast<float*>(st + L.part);
   *mine = b;
   return nullptr;
 }
@@ -240,9 +243,9 @@ const char* peer_check(const Problem& local, int ranks, int64_t round_rows) {
   return nullptr;
 }
 
-size_t peer_forward_workspace_bytes(const Problem& local, int ranks, int64_t round_rows) {
+size_t peer_forward_workspace_bytes(const Problem& local, int ranks, int64_t round_rows, bool staged) {
   if (peer_check(local, ranks, round_rows) != nullptr) return 0;
-  return make_peer_layout(local, ranks, round_rows).total;
+  return make_peer_layout(local, ranks, round_rows, staged).total;
 }
 
 const char* peer_forward(const Problem& p, const PeerGroup& group, const PeerForwardArgs& a, void* workspace,
@@ -250,14 +253,15 @@ const char* peer_forward(const Problem& p, const PeerGroup& group, const PeerFor
   if (const char* e = peer_check(p, group.ranks, C)) return e;
   if (!aligned16(a.x) || !aligned16(a.y) || !aligned16(a.w_gate) || !aligned16(a.w_up) || !aligned16(a.w_down))
     return "mok peer dispatch: tensors must be 16-byte aligned";
-  const PeerLayout L = make_peer_layout(p, group.ranks, C);
+  const bool staged = group.staging != nullptr;
+  const PeerLayout L = make_peer_layout(p, group.ranks, C, staged);
   const detail::PeerSchedule& S = L.s;
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   auto i32 = [&](size_t off) { return reinterpret_cast<int32_t*>(ws + off); };
   auto u64 = [&](size_t off) { return reinterpret_cast<uint64_t*>(ws + off); };
   const int El = static_cast<int>(p.experts / group.ranks);
   const int K = static_cast<int>(p.top_k);
-  void* ret = ws + L.ret;
+  void* ret = staged ? nullptr : ws + L.ret;  // staged: stage_peer_buffers points it at the staging
   void* xg = ws + L.xg;
   const int32_t* total = i32(S.offsets) + El;  // the padded rows of this rank's experts
   const int32_t* row_pair = i32(S.row_pair);

@@ -124,7 +124,9 @@ inline Problem peer_gathered_problem(const Problem& local, int ranks) {
 int64_t peer_default_round_rows(const Problem& local, int ranks);
 // nullptr or why (ranks, E % ranks, round_rows).
 const char* peer_check(const Problem& local, int ranks, int64_t round_rows);
-size_t peer_forward_workspace_bytes(const Problem& local, int ranks, int64_t round_rows);
+// staged: the call runs on a PeerGroup with IPC staging (several processes),
+// whose return rows are not in the workspace.
+size_t peer_forward_workspace_bytes(const Problem& local, int ranks, int64_t round_rows, bool staged = false);
 // The staging bytes one rank needs (several processes only): x, ids, mask,
 // dy, weights, the return rows and the partial dots of the backward.
 size_t peer_staging_bytes(const Problem& local);

@@ -59,6 +59,22 @@ std::string preload(PeerControl* solo) {
 
 }  // namespace
 
+std::string peer_access_problem(const std::vector<int32_t>& ordinals) {
+  for (const int32_t d : ordinals)
+    for (const int32_t q : ordinals) {
+      int can = 0;
+      if (d == q) continue;
+      if (cudaDeviceCanAccessPeer(&can, d, q) != cudaSuccess) {
+        cudaGetLastError();
+        return "peer dispatch: cannot ask whether GPU " + std::to_string(d) + " reaches GPU " + std::to_string(q);
+      }
+      if (!can)
+        return "peer dispatch: GPU " + std::to_string(d) + " cannot access GPU " + std::to_string(q) +
+               "'s memory (no NVLink or PCIe peer-to-peer between them); use dispatch='collective'";
+    }
+  return {};
+}
+
 namespace detail {
 
 std::mutex& peer_state_mutex() {
@@ -148,6 +164,13 @@ const char* peer_group_for(int device, const std::vector<int32_t>& devices, int 
   // same order everywhere (the same SPMD program), in every process too.
   auto it = st.slot.find(group);
   if (it == st.slot.end()) {
+    if (!st.ipc) {
+      // Set-up only enables the peer access a pair can have: a group of GPUs
+      // without it (no NVLink or PCIe P2P between two of them) would fault
+      // on the first pull, so refuse it once, when the group first comes.
+      message = peer_access_problem(group);
+      if (!message.empty()) return message.c_str();
+    }
     if (st.next_slot == kPeerGroupSlots) {
       message = "peer dispatch: more than " + std::to_string(kPeerGroupSlots) + " distinct device groups in one process";
       return message.c_str();

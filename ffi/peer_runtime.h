@@ -33,6 +33,12 @@ constexpr int kPeerGroupSlots = 16;
 const char* peer_group_for(int device, const std::vector<int32_t>& devices, int ranks, uint64_t timeout_ns,
                            PeerGroup* out);
 
+// "" when every GPU of `ordinals` (CUDA ordinals of this process) can read
+// every other one's memory, else why not (no peer-to-peer between a pair).
+// dispatch="auto" asks it before it picks "peer"; a one-process peer call
+// refuses a group that fails it.
+std::string peer_access_problem(const std::vector<int32_t>& ordinals);
+
 // Several processes (CUDA IPC; mok_jax/_peer_ipc.py drives these at trace
 // time, before any call of the mesh runs, and swaps the blobs through the
 // jax.distributed key-value store). From the first export on, the process's

@@ -201,7 +201,9 @@ def _peer_cuda_setup(devices, dims, timeout_ms):
 
 
 def _peer_workspace(size_fn, dims):
-    nbytes = size_fn(*dims)
+    from . import _peer_ipc
+    # Staged calls keep their return rows in the IPC staging, not here.
+    nbytes = size_fn(*dims, _peer_ipc.active())
     if nbytes == 0:
         T, H, F, E, _, _, ranks, round_rows = dims
         raise ValueError(f"dispatch='peer': the CUDA peer kernels reject this problem "

@@ -24,6 +24,7 @@ call. Read when a process first traces a peer call; set it before.
 """
 
 import os
+import socket
 
 import jax
 
@@ -87,3 +88,37 @@ def ensure(devices, dims, timeout_ms):
     for i in remote:
         _mok_cuda.peer_ipc_import(client.blocking_key_value_get_bytes(f"{prefix}/{i}", timeout_ms))
     _STAGED[group] = (size, epoch)
+
+
+# process index -> its host identity, once published (same_host)
+_HOSTS = {}
+
+
+def host_identity():
+    """This process's host: its hostname and the kernel's boot id (two
+    machines that share a hostname differ in boot id; two containers of one
+    machine usually differ in hostname, which errs on the safe side:
+    "collective")."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}|{boot}"
+
+
+def same_host(processes, timeout_ms):
+    """Whether every process of ``processes`` (indices) runs on this host:
+    dispatch="auto" picks "peer" only then. Each process publishes its host
+    identity once in the jax.distributed key-value store and reads the
+    others' (every process of a mesh traces the same call, so each waits
+    only for peers that are tracing it too)."""
+    me = jax.process_index()
+    client = _client()
+    if me not in _HOSTS:
+        _HOSTS[me] = host_identity()
+        client.key_value_set(f"mok_jax/host/{me}", _HOSTS[me])
+    for p in processes:
+        if p not in _HOSTS:
+            _HOSTS[p] = client.blocking_key_value_get(f"mok_jax/host/{p}", timeout_ms)
+    return all(_HOSTS[p] == _HOSTS[me] for p in processes)

@@ -86,11 +86,13 @@ def check_dispatch(dispatch):
     return dispatch
 
 
-def _resolve_dispatch(dispatch, impl, mesh):
-    """The dispatch a mesh call runs: "peer" only when asked for ("auto" is
-    "collective" until the peer path has run on several GPUs, see
-    docs/scaling.md), with a C++ kernel: CPU devices of this process, or GPUs
-    of any processes (several through CUDA IPC, _peer_ipc.py)."""
+def _resolve_dispatch(dispatch, impl, mesh, dims=None):
+    """The dispatch a mesh call runs. "auto": "peer" when _auto_picks_peer
+    says the kernels can pull over the mesh's GPUs, else "collective".
+    "peer" needs a C++ kernel: CPU devices of this process, or GPUs of any
+    processes (several through CUDA IPC, _peer_ipc.py)."""
+    if dispatch == "auto":
+        return "peer" if _auto_picks_peer(impl, mesh, dims) else "collective"
     if dispatch != "peer":
         return "collective"
     if impl not in ("cpu", "cuda"):
@@ -105,6 +107,34 @@ def _resolve_dispatch(dispatch, impl, mesh):
             f"processes share no memory; use dispatch='collective' across processes (GPUs of "
             f"several processes use CUDA IPC)")
     return "peer"
+
+
+def _auto_picks_peer(impl, mesh, dims):
+    """dispatch="auto": "peer" within one host's GPUs, "collective" otherwise.
+
+    Peer needs: the CUDA kernels (impl "cuda"), an expert axis of more than
+    one rank (at EP = 1 there is nothing to pull and the collective path is
+    the plain local kernel, which is faster than a peer table of one: see
+    benchmarks/RESULTS.md), the peer kernels accepting the problem (dims =
+    (T_local, H, F, E, K, Fs, ep)), peer-to-peer access between every pair of
+    this process's mesh GPUs, and every process of the mesh on this host
+    (_peer_ipc.same_host). CPU devices take "collective": "peer" on CPU is a
+    test of the protocol, not a faster path."""
+    devices = np.asarray(mesh.devices).reshape(-1)
+    if impl != "cuda" or dims is None or dims[6] < 2:
+        return False
+    if any(d.platform != "gpu" for d in devices):
+        return False
+    from . import _peer_ipc
+    mod = _ffi._mok_cuda
+    if mod.peer_forward_workspace_bytes(*dims, 0, False) == 0:
+        return False
+    me = jax.process_index()
+    local = sorted(int(d.local_hardware_id) for d in devices if d.process_index == me)
+    if mod.peer_access_problem(local):
+        return False
+    processes = sorted({int(d.process_index) for d in devices})
+    return processes == [me] or _peer_ipc.same_host(processes, PEER_TIMEOUT_MS)
 
 
 def _peer_devices(mesh, axis):
@@ -560,7 +590,7 @@ def experts_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, mesh=No
         impl = _resolve_impl(implementation, x.dtype, (H, F, Fs, K), platform)
         if T == 0:
             return jnp.zeros(x.shape, x.dtype)
-        mode = _resolve_dispatch(dispatch, impl, mesh)
+        mode = _resolve_dispatch(dispatch, impl, mesh, (T // n_tok, H, F, E, K, Fs, ep))
         cfg = EPConfig(impl=impl, axis=axis, ep=ep,
                        round_rows=_round_rows(T // n_tok, K, ep, round_rows),
                        sync_axes=tok_axes, mesh=mesh, token_axes=tok_axes,

@@ -7,7 +7,7 @@ job has 2 devices) over `jax.distributed`: the expert group spans both, so
 the peer calls map each other's control blocks and staging buffers through
 CUDA IPC (ffi/peer_ipc.cu, mok_jax/_peer_ipc.py) and their kernels
 time-slice on the GPU. Both build the same global inputs from SEED, run
-dispatch="peer" forward and backward (jax.vjp with a sharded cotangent: no
+dispatch="auto" (which must pick "peer") forward and backward (jax.vjp with a sharded cotangent: no
 reduction, so no NCCL, which refuses two ranks on one GPU) three times, and
 compare their own shards with the single-process EP = 1 CUDA kernel:
 y and d_x bitwise, the weight gradients of their experts within relative
@@ -39,6 +39,10 @@ def main():
     from mok_jax import parallel
     assert jax.process_count() == 2 and len(jax.devices()) == 2, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("expert",))
+    # Both processes run on this host with peer-capable GPUs: dispatch="auto"
+    # must pick the peer path, which the calls below then take through "auto".
+    picked = parallel._resolve_dispatch("auto", "cuda", mesh, (256, 256, 256, 8, 2, 0, 2))
+    assert picked == "peer", picked
 
     rng = np.random.default_rng(seed)
     for T, H, F, E, K, kind in [(512, 256, 256, 8, 2, "uniform"), (384, 512, 128, 16, 4, "one_rank")]:
@@ -66,7 +70,7 @@ def main():
 
         def f_peer(x, w, wg, wu, wd, ids):
             return parallel.experts_parallel(x, ids, w, wg, wu, wd, mesh=mesh, expert_axis="expert",
-                                             implementation="cuda", dispatch="peer")
+                                             implementation="cuda", dispatch="auto")
 
         @jax.jit
         def step(x, w, wg, wu, wd, ids, ct):

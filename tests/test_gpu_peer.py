@@ -219,6 +219,35 @@ def test_jax_peer_recompute_and_modules_with_a_mesh():
     assert_close("nnx module, peer mesh", y1, jnp.asarray(y0, jnp.float32), jnp.bfloat16)
 
 
+def test_auto_dispatch_answers_on_this_gpu():
+    """The real CUDA answers "auto" reads: one GPU reaches itself, a GPU that
+    does not exist is a clear problem, not a crash; a one-GPU mesh (EP = 1)
+    resolves "auto" to the plain local kernel."""
+    _need_jax_cuda()
+    mod = _ffi._mok_cuda
+    assert mod.peer_access_problem([0]) == ""
+    problem = mod.peer_access_problem([0, 4096])
+    assert "4096" in problem, problem
+    mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
+    assert parallel._resolve_dispatch("auto", "cuda", mesh, (1024, 1024, 512, 8, 4, 0, 1)) == "collective"
+
+
+def test_staged_workspace_holds_no_return_rows():
+    """With IPC staging the return rows (forward: T*K*H bf16; backward: those
+    and the fp32 partial dots) live in the staging buffer, so the XLA
+    workspace is smaller by exactly them (each region 256-byte aligned)."""
+    _need_jax_cuda()
+    mod = _ffi._mok_cuda
+    T, H, F, E, K, Fs, ranks = 1000, 1024, 512, 16, 4, 0, 2
+    dims = (T, H, F, E, K, Fs, ranks, 0)
+    fwd = mod.peer_forward_workspace_bytes(*dims, False) - mod.peer_forward_workspace_bytes(*dims, True)
+    bwd = mod.peer_backward_workspace_bytes(*dims, False) - mod.peer_backward_workspace_bytes(*dims, True)
+    parts = -(-F // 256)
+    assert fwd == T * K * H * 2, fwd
+    assert bwd == T * K * H * 2 + T * K * parts * 4, bwd
+    assert mod.peer_forward_workspace_bytes(*dims, True) > 0
+
+
 def test_jax_peer_all_gpus_of_the_host():
     """Every GPU of the host as one expert group (NVLink pulls and pushes)."""
     _need_jax_cuda()
@@ -227,6 +256,8 @@ def test_jax_peer_all_gpus_of_the_host():
         pytest.skip("needs 2 or more GPUs (not available to this project yet)")
     n = 1 << (min(n, 8).bit_length() - 1)
     mesh = Mesh(np.array(jax.devices()[:n]), ("expert",))
+    # One host's GPUs: dispatch="auto" picks the peer path (NVLink / P2P).
+    assert parallel._resolve_dispatch("auto", "cuda", mesh, (1024, 1024, 512, 8 * n, 4, 0, n)) == "peer"
     for case in [(1024 * n, 1024, 512, 8 * n, 4, 0, "uniform"),
                  (256 * n, 1024, 512, 8 * n, 2, 256, "one_rank")]:
         _peer_vs_cuda(mesh, case, bitwise_grads=False)
