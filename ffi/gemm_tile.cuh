@@ -15,6 +15,15 @@
 
 #include "cuda_ptx.cuh"
 
+// Measurement only, never in a shipped build (tests/cuda/build_and_run.sh
+// EXTRA_NVCC_FLAGS): MOK_GEMM_EPILOGUE_PROBE=1 drops the epilogues' global
+// stores (benchmarks/RESULTS.md, "Epilogue probe"). =2 was meant to drop the
+// whole epilogue, but with the accumulators dead the MMAs evidently went too
+// (ncu: 8 % SM throughput), so its timings bound only the TMA loads.
+#ifndef MOK_GEMM_EPILOGUE_PROBE
+#define MOK_GEMM_EPILOGUE_PROBE 0
+#endif
+
 namespace mok::cuda::tile {
 
 constexpr int kBM = 128;             // CTA rows (2 consumer WGs x 64)
@@ -127,7 +136,7 @@ struct TileStore {
       if (row < m_rows && col < n) {
         __nv_bfloat16* dst = out + static_cast<size_t>(row) * n;
         if (row_dst != nullptr) dst = reinterpret_cast<__nv_bfloat16*>(row_dst[row]);
-        if (dst != nullptr) *reinterpret_cast<uint4*>(dst + col) = v;
+        if (dst != nullptr && MOK_GEMM_EPILOGUE_PROBE == 0) *reinterpret_cast<uint4*>(dst + col) = v;
       }
     }
     __syncwarp();
@@ -153,6 +162,7 @@ __device__ __forceinline__ void put_chunk(const TileStore& ts, int ch, Value&& v
 // silu(gate) * up (computed from the fp32 accumulators).
 __device__ __forceinline__ void store_gate_up(const float (&acc)[128], const TileStore& ts, int n_base,
                                               __nv_bfloat16* gate, __nv_bfloat16* up, __nv_bfloat16* act) {
+  if (MOK_GEMM_EPILOGUE_PROBE == 2) return;
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
     put_chunk(ts, ch, [&](int i) { return acc[i]; });
@@ -167,6 +177,7 @@ __device__ __forceinline__ void store_gate_up(const float (&acc)[128], const Til
 // Plain epilogue: bf16(acc) into 256 columns starting at n_base.
 __device__ __forceinline__ void store_plain(const float (&acc)[128], const TileStore& ts, int n_base,
                                             __nv_bfloat16* out) {
+  if (MOK_GEMM_EPILOGUE_PROBE == 2) return;
 #pragma unroll
   for (int ch = 0; ch < 4; ++ch) {
     put_chunk(ts, ch, [&](int i) { return acc[i]; });
