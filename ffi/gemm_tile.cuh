@@ -17,7 +17,8 @@
 
 // Measurement only, never in a shipped build (tests/cuda/build_and_run.sh
 // EXTRA_NVCC_FLAGS): MOK_GEMM_EPILOGUE_PROBE=1 drops the epilogues' global
-// stores (benchmarks/RESULTS.md, "Epilogue probe"). =2 was meant to drop the
+// stores, forward (here) and backward (gemm_wgmma_bwd.cu; build_and_run_backward.sh)
+// (benchmarks/RESULTS.md, "Epilogue probe"). =2 was meant to drop the
 // whole epilogue, but with the accumulators dead the MMAs evidently went too
 // (ncu: 8 % SM throughput), so its timings bound only the TMA loads.
 #ifndef MOK_GEMM_EPILOGUE_PROBE
