@@ -57,11 +57,12 @@ def moe_layer(x, router_kernel, w_gate, w_up, w_down, *, top_k, score_func="soft
       token_axes: mesh axes the tokens are split over (default: expert_axis, then
         the mesh's other axes); must include expert_axis; T must divide evenly.
       dispatch: "collective" (XLA all_to_all rounds around the local kernel),
-        "peer" (mesh= only, devices of this process, implementation "cuda" or
-        "cpu": each rank's forward and backward kernels pull their experts'
-        rows straight from the owners' memory and write the results back),
-        or "auto" (= "collective" until the peer path has run on several
-        GPUs). Without a
+        "peer" (mesh= only; implementation "cuda" on GPUs of one or several
+        processes, or "cpu" on CPU devices of this process: each rank's
+        forward and backward kernels pull their experts' rows straight from
+        the owners' memory and write the results back), or "auto" ("peer"
+        for the "cuda" kernels over 2 or more GPUs of one host with
+        peer-to-peer access, "collective" otherwise). Without a
         mesh or axis_name there is one rank and dispatch has no effect.
       axis_name: inside your own shard_map: the expert axis. Then w_* are this
         rank's ``[E/EP, ...]`` block (expert e on rank e // (E/EP)),
