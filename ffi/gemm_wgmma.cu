@@ -66,10 +66,11 @@ using tile::kBChunk;
 using tile::kBK;
 using tile::kBM;
 using tile::kConsumerWarps;
-using tile::kSmemBytes;
+using tile::kGemmSmemBytes;
 using tile::kStageBytes;
 using tile::kStages;
-using tile::kStgWarpBytes;
+using tile::kTmaStgOffset;
+using tile::kTmaStgWarpBytes;
 using tile::kThreads;
 
 struct KParams {
@@ -86,6 +87,7 @@ struct KParams {
   __nv_bfloat16* out2;
   const uint64_t* row_dst;  // kStore: per-row destinations, or nullptr
   int zero_unused;
+  int tma_store;  // epilogue through TMA stores (tm_out*; not with row_dst)
 };
 
 // kCluster = 1: one CTA per 128-row tile.
@@ -99,7 +101,9 @@ struct KParams {
 template <bool kFused, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b0,
-                        const __grid_constant__ CUtensorMap tm_b1, const KParams p) {
+                        const __grid_constant__ CUtensorMap tm_b1, const __grid_constant__ CUtensorMap tm_out0,
+                        const __grid_constant__ CUtensorMap tm_out1, const __grid_constant__ CUtensorMap tm_out2,
+                        const KParams p) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
@@ -181,7 +185,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int cw = wg - 1;
     const int warp = (threadIdx.x / 32) & 3;
     const int lane = threadIdx.x & 31;
-    uint8_t* stg = smem + kStages * kStageBytes + tile::kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes;
+    uint8_t* stg = smem + kTmaStgOffset + (cw * 4 + warp) * kTmaStgWarpBytes;
+    tile::TmaTileStore tts{stg, lane, 0, {false, false}, 0u};
     // The partner's empty barriers, mapped once (one register for the loop).
     const uint32_t peer_empty = kCluster > 1 ? ptx::map_to_rank(ptx::smem_u32(empty_bar), crank ^ 1) : 0u;
     auto release = [&](uint32_t s) {
@@ -230,18 +235,30 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool unused = g_self < 0;  // computed only to keep the pair in lock-step
       if (unused && !p.zero_unused) continue;
       const int wrow0 = mt * kBM + cw * 64 + warp * 16;  // first row of this warp
-      tile::TileStore ts{stg, lane, wrow0, p.m_rows, p.n, {false, false}, p.row_dst};
+      bool keep[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row0 + h * 8;
-        ts.keep[h] = !unused && row < p.m_rows && (p.row_mask == nullptr || p.row_mask[row] != 0);
+        keep[h] = !unused && row < p.m_rows && (p.row_mask == nullptr || p.row_mask[row] != 0);
       }
-      if (kFused) {
-        tile::store_gate_up(acc, ts, nt * 128, p.out0, p.out1, p.out2);
+      if (p.tma_store) {
+        tts.wrow0 = wrow0;
+        tts.keep[0] = keep[0], tts.keep[1] = keep[1];
+        if (kFused) {
+          tile::store_gate_up(acc, tts, nt * 128, &tm_out0, &tm_out1, &tm_out2);
+        } else {
+          tile::store_plain(acc, tts, nt * 256, &tm_out0);
+        }
       } else {
-        tile::store_plain(acc, ts, nt * 256, p.out0);
+        tile::TileStore ts{stg, lane, wrow0, p.m_rows, p.n, {keep[0], keep[1]}, p.row_dst};
+        if (kFused) {
+          tile::store_gate_up(acc, ts, nt * 128, p.out0, p.out1, p.out2);
+        } else {
+          tile::store_plain(acc, ts, nt * 256, p.out0);
+        }
       }
     }
+    if (p.tma_store) tts.drain();
   }
   // No CTA of a cluster may exit while its partner can still arrive on its
   // barriers or multicast into its shared memory.
@@ -278,12 +295,12 @@ int resident_clusters(int num_sms) {
     attr[0].val.clusterDim.z = 1;
     cfg.gridDim = dim3(kCluster * std::max(1, num_sms / kCluster), 1, 1);
     cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.dynamicSmemBytes = kGemmSmemBytes;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    bool ok = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) == cudaSuccess;
+    bool ok = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmemBytes) == cudaSuccess;
     if (ok && kCluster == 1) {
-      ok = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, kThreads, kSmemBytes) == cudaSuccess;
+      ok = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, kThreads, kGemmSmemBytes) == cudaSuccess;
       n *= num_sms;
     } else if (ok) {
       ok = cudaOccupancyMaxActiveClusters(&n, kern, &cfg) == cudaSuccess;
@@ -299,9 +316,9 @@ int resident_clusters(int num_sms) {
 
 template <bool kFused, int kCluster>
 const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, const CUtensorMap& tm_b1,
-                          const KParams& p, int num_sms, cudaStream_t stream) {
+                          const CUtensorMap (&tm_out)[3], const KParams& p, int num_sms, cudaStream_t stream) {
   auto* kern = grouped_gemm_kernel<kFused, kCluster>;
-  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmemBytes) != cudaSuccess)
     return "mok cuda gemm: cudaFuncSetAttribute failed";
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
@@ -310,7 +327,7 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.dynamicSmemBytes = kGemmSmemBytes;
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = kCluster > 1 ? 1 : 0;
@@ -320,7 +337,7 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
   if (units <= 0) return nullptr;
   const int clusters = static_cast<int>(std::min<int64_t>(units, max_clusters));
   cfg.gridDim = dim3(clusters * kCluster, 1, 1);
-  if (cudaLaunchKernelEx(&cfg, kern, tm_a, tm_b0, tm_b1, p) != cudaSuccess)
+  if (cudaLaunchKernelEx(&cfg, kern, tm_a, tm_b0, tm_b1, tm_out[0], tm_out[1], tm_out[2], p) != cudaSuccess)
     return "mok cuda gemm: kernel launch failed";
   if (cudaGetLastError() != cudaSuccess) return "mok cuda gemm: kernel launch failed";
   return nullptr;
@@ -328,12 +345,22 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
 
 }  // namespace
 
-int grouped_gemm_smem_bytes() { return kSmemBytes; }
+int grouped_gemm_smem_bytes() { return kGemmSmemBytes; }
 
 int grouped_gemm_resident_clusters(GemmEpilogue epi, int cluster, int num_sms) {
   const bool fused = epi == GemmEpilogue::kGateUpSwiGLU;
   if (cluster == 2) return fused ? resident_clusters<true, 2>(num_sms) : resident_clusters<false, 2>(num_sms);
   return fused ? resident_clusters<true, 1>(num_sms) : resident_clusters<false, 1>(num_sms);
+}
+
+// The epilogue stores through TMA (tile::TmaTileStore) unless
+// MOK_CUDA_GEMM_TMA_STORE=0 (register-to-global stores, for measurement).
+int gemm_tma_store() {
+  static const int v = [] {
+    const char* e = std::getenv("MOK_CUDA_GEMM_TMA_STORE");
+    return (e != nullptr && std::atoi(e) == 0) ? 0 : 1;
+  }();
+  return v;
 }
 
 // Rasterisation band of every persistent GEMM loop (tile::raster): 8 unless
@@ -388,14 +415,27 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   p.row_dst = a.row_dst;
   p.zero_unused = a.zero_unused_tiles ? 1 : 0;
 
+  // Output maps for the TMA-store epilogue: boxes of 64 columns x 16 rows (one
+  // consumer warp's chunk). Not for per-row destinations (row_dst).
+  CUtensorMap tm_out[3];
+  p.tma_store = a.row_dst == nullptr && gemm_tma_store() ? 1 : 0;
+  if (p.tma_store) {
+    void* outs[3] = {a.out0, fused ? a.out1 : a.out0, fused ? a.out2 : a.out0};
+    for (int j = 0; j < 3; ++j)
+      if (!make_map_2d(&tm_out[j], outs[j], a.m_rows, a.n, 64, 16))
+        return "mok cuda gemm: tensor map (output) encode failed";
+  } else {
+    tm_out[0] = tm_out[1] = tm_out[2] = tm_a;  // unused
+  }
+
   const int cluster = gemm_cluster_size();
   p.group_m = std::max(1, gemm_group_m() / cluster);
   if (fused) {
-    if (cluster == 2) return launch_kernel<true, 2>(tm_a, tm_b0, tm_b1, p, num_sms, stream);
-    return launch_kernel<true, 1>(tm_a, tm_b0, tm_b1, p, num_sms, stream);
+    if (cluster == 2) return launch_kernel<true, 2>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
+    return launch_kernel<true, 1>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
   }
-  if (cluster == 2) return launch_kernel<false, 2>(tm_a, tm_b0, tm_b1, p, num_sms, stream);
-  return launch_kernel<false, 1>(tm_a, tm_b0, tm_b1, p, num_sms, stream);
+  if (cluster == 2) return launch_kernel<false, 2>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
+  return launch_kernel<false, 1>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
 }
 
 }  // namespace mok::cuda
