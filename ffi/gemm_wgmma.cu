@@ -66,12 +66,26 @@ using tile::kBChunk;
 using tile::kBK;
 using tile::kBM;
 using tile::kConsumerWarps;
+using tile::kBarrierBytes;
 using tile::kGemmSmemBytes;
+using tile::kSmemBytes;
+using tile::kStgWarpBytes;
 using tile::kStageBytes;
 using tile::kStages;
 using tile::kTmaStgOffset;
 using tile::kTmaStgWarpBytes;
 using tile::kThreads;
+
+// The TMA-store epilogue (tile::TmaTileStore) is compiled in only with
+// -DMOK_GEMM_TMA_STORE=1: it has not run on a GPU yet (the device was lost
+// before its first A/B run, tests/cuda/ab_tma_store.sh). Without it the
+// kernel is the validated one: register-to-global stores (tile::TileStore),
+// kSmemBytes of shared memory.
+#ifndef MOK_GEMM_TMA_STORE
+#define MOK_GEMM_TMA_STORE 0
+#endif
+constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
+constexpr int kKernelSmemBytes = kTmaStore ? kGemmSmemBytes : kSmemBytes;
 
 struct KParams {
   int m_rows;
@@ -87,7 +101,7 @@ struct KParams {
   __nv_bfloat16* out2;
   const uint64_t* row_dst;  // kStore: per-row destinations, or nullptr
   int zero_unused;
-  int tma_store;  // epilogue through TMA stores (tm_out*; not with row_dst)
+  int tma_store;  // epilogue through TMA stores (tm_out*; kTmaStore builds, not with row_dst)
 };
 
 // kCluster = 1: one CTA per 128-row tile.
@@ -185,7 +199,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int cw = wg - 1;
     const int warp = (threadIdx.x / 32) & 3;
     const int lane = threadIdx.x & 31;
-    uint8_t* stg = smem + kTmaStgOffset + (cw * 4 + warp) * kTmaStgWarpBytes;
+    uint8_t* stg = smem + (kTmaStore ? kTmaStgOffset + (cw * 4 + warp) * kTmaStgWarpBytes
+                                     : kStages * kStageBytes + kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes);
+    bool tma = false;
+    if constexpr (kTmaStore) tma = p.tma_store != 0;
     tile::TmaTileStore tts{stg, lane, 0, {false, false}, 0u};
     // The partner's empty barriers, mapped once (one register for the loop).
     const uint32_t peer_empty = kCluster > 1 ? ptx::map_to_rank(ptx::smem_u32(empty_bar), crank ^ 1) : 0u;
@@ -241,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int row = row0 + h * 8;
         keep[h] = !unused && row < p.m_rows && (p.row_mask == nullptr || p.row_mask[row] != 0);
       }
-      if (p.tma_store) {
+      if (tma) {
         tts.wrow0 = wrow0;
         tts.keep[0] = keep[0], tts.keep[1] = keep[1];
         if (kFused) {
@@ -258,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    if (p.tma_store) tts.drain();
+    if (tma) tts.drain();
   }
   // No CTA of a cluster may exit while its partner can still arrive on its
   // barriers or multicast into its shared memory.
@@ -295,12 +312,12 @@ int resident_clusters(int num_sms) {
     attr[0].val.clusterDim.z = 1;
     cfg.gridDim = dim3(kCluster * std::max(1, num_sms / kCluster), 1, 1);
     cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = kGemmSmemBytes;
+    cfg.dynamicSmemBytes = kKernelSmemBytes;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    bool ok = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmemBytes) == cudaSuccess;
+    bool ok = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kKernelSmemBytes) == cudaSuccess;
     if (ok && kCluster == 1) {
-      ok = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, kThreads, kGemmSmemBytes) == cudaSuccess;
+      ok = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, kThreads, kKernelSmemBytes) == cudaSuccess;
       n *= num_sms;
     } else if (ok) {
       ok = cudaOccupancyMaxActiveClusters(&n, kern, &cfg) == cudaSuccess;
@@ -318,7 +335,7 @@ template <bool kFused, int kCluster>
 const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, const CUtensorMap& tm_b1,
                           const CUtensorMap (&tm_out)[3], const KParams& p, int num_sms, cudaStream_t stream) {
   auto* kern = grouped_gemm_kernel<kFused, kCluster>;
-  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmemBytes) != cudaSuccess)
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kKernelSmemBytes) != cudaSuccess)
     return "mok cuda gemm: cudaFuncSetAttribute failed";
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
@@ -327,7 +344,7 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = kGemmSmemBytes;
+  cfg.dynamicSmemBytes = kKernelSmemBytes;
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = kCluster > 1 ? 1 : 0;
@@ -345,7 +362,7 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
 
 }  // namespace
 
-int grouped_gemm_smem_bytes() { return kGemmSmemBytes; }
+int grouped_gemm_smem_bytes() { return kKernelSmemBytes; }
 
 int grouped_gemm_resident_clusters(GemmEpilogue epi, int cluster, int num_sms) {
   const bool fused = epi == GemmEpilogue::kGateUpSwiGLU;
@@ -353,8 +370,9 @@ int grouped_gemm_resident_clusters(GemmEpilogue epi, int cluster, int num_sms) {
   return fused ? resident_clusters<true, 1>(num_sms) : resident_clusters<false, 1>(num_sms);
 }
 
-// The epilogue stores through TMA (tile::TmaTileStore) unless
-// MOK_CUDA_GEMM_TMA_STORE=0 (register-to-global stores, for measurement).
+// In a kTmaStore build the epilogue stores through TMA (tile::TmaTileStore)
+// unless MOK_CUDA_GEMM_TMA_STORE=0 (register-to-global stores: an A/B in one
+// binary).
 int gemm_tma_store() {
   static const int v = [] {
     const char* e = std::getenv("MOK_CUDA_GEMM_TMA_STORE");
@@ -418,7 +436,7 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   // Output maps for the TMA-store epilogue: boxes of 64 columns x 16 rows (one
   // consumer warp's chunk). Not for per-row destinations (row_dst).
   CUtensorMap tm_out[3];
-  p.tma_store = a.row_dst == nullptr && gemm_tma_store() ? 1 : 0;
+  p.tma_store = kTmaStore && a.row_dst == nullptr && gemm_tma_store() ? 1 : 0;
   if (p.tma_store) {
     void* outs[3] = {a.out0, fused ? a.out1 : a.out0, fused ? a.out2 : a.out0};
     for (int j = 0; j < 3; ++j)

@@ -2,7 +2,8 @@
 # One device call: the staged forward's TMA-store epilogue against the
 # register-to-global one (MOK_CUDA_GEMM_TMA_STORE=0) in the same binary:
 # correctness of the staged cases, A/B timing at the four benchmark shapes,
-# memcheck on a small case, then the Python build and a GPU pytest subset.
+# memcheck on a small case, then the Python build (default: no TMA store)
+# and a GPU pytest subset. The harness is built with -DMOK_GEMM_TMA_STORE=1.
 # Usage (GPU host, repo root): bash tests/cuda/ab_tma_store.sh
 set -uo pipefail
 L="${OUT:-/tmp/ab_out}"; mkdir -p "$L"
@@ -10,7 +11,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 B=/tmp/ab_build
 (python3 -m pip install --no-build-isolation --no-deps -e . > "$L/pip.log" 2>&1; echo "pip rc $?" >> "$L/pip.log") &
 pip_pid=$!
-OUTDIR=$B BUILD_ONLY=1 bash tests/cuda/build_and_run.sh > "$L/build.log" 2>&1 || { echo BUILD FAILED; tail -30 "$L/build.log"; }
+OUTDIR=$B BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_GEMM_TMA_STORE=1 bash tests/cuda/build_and_run.sh > "$L/build.log" 2>&1 || { echo BUILD FAILED; tail -30 "$L/build.log"; }
 cuobjdump --dump-sass $B/gemm_wgmma.o | grep -cE "HGMMA" | sed 's/^/HGMMA in gemm_wgmma: /'
 cuobjdump --dump-sass $B/gemm_wgmma.o | grep -cE "UTMASTG" | sed 's/^/UTMASTG in gemm_wgmma: /'
 timeout 150 $B/forward_standalone --correctness --staged > "$L/corr.log" 2>&1; echo "corr rc $?"
