@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
           if (row < x.m && col < x.n) {
             __nv_bfloat16* dst = out + static_cast<size_t>(row) * x.n;
             if (kMode == kSum2 && p.row_dst != nullptr) dst = reinterpret_cast<__nv_bfloat16*>(p.row_dst[row]);
-            if (dst != nullptr) *reinterpret_cast<uint4*>(dst + col) = v;
+            if (dst != nullptr && MOK_GEMM_EPILOGUE_PROBE == 0) *reinterpret_cast<uint4*>(dst + col) = v;
           }
         }
         __syncwarp();
@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
             const int r = idx >> 3, c = idx & 7;
             const int row = wrow0 + r, col = col0 + (c & 3) * 8;
             const uint4 v = *reinterpret_cast<const uint4*>(stg + r * kStgPitch + c * 16);
-            if (row < x.m && col < x.n)
+            if (row < x.m && col < x.n && MOK_GEMM_EPILOGUE_PROBE == 0)
               *reinterpret_cast<uint4*>((c < 4 ? p.out0 : p.out1) + static_cast<size_t>(row) * x.n + col) = v;
           }
           __syncwarp();
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
             const int r = idx >> 2, c = idx & 3;
             const int row = wrow0 + r, col = col0 + c * 8;
             const uint4 v = *reinterpret_cast<const uint4*>(stg + r * kStgPitch + c * 16);
-            if (row < x.m && col < x.n)
+            if (row < x.m && col < x.n && MOK_GEMM_EPILOGUE_PROBE == 0)
               *reinterpret_cast<uint4*>(p.out2 + static_cast<size_t>(row) * x.n + col) = v;
           }
           __syncwarp();

@@ -28,3 +28,10 @@ echo "memcheck rc $?"; grep -E "ERROR SUMMARY" "$L/memcheck.log"
 wait $pip_pid; tail -1 "$L/pip.log"
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "forward_small or forward_edge or layer_gradients or backward_edge or megakernel_equals or graphs" > "$L/pytest.log" 2>&1
 tail -3 "$L/pytest.log"
+# The backward's epilogue cost (shape 1): its stores dropped (probe 1) or not.
+for v in 0 1; do
+  OUTDIR=/tmp/ab_bwd$v BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_GEMM_EPILOGUE_PROBE=$v bash tests/cuda/build_and_run_backward.sh > "$L/build_bwd$v.log" 2>&1
+  echo "== backward probe $v"
+  timeout 90 /tmp/ab_bwd$v/backward_standalone --timing --iters 20 > "$L/bwd$v.log" 2>&1
+  grep -E "backward median|prep\+gather" "$L/bwd$v.log" | cut -c1-200
+done

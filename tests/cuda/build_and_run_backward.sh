@@ -2,6 +2,7 @@
 # Build and run the standalone CUDA backward test (needs nvcc >= 12.3 and, to run,
 # a Hopper GPU).  Usage: tests/cuda/build_and_run_backward.sh [args for backward_standalone]
 #   BUILD_ONLY=1  only build;  OUTDIR=dir  where the binaries go (default build/cuda_test_bwd)
+#   EXTRA_NVCC_FLAGS  more nvcc flags (e.g. -DMOK_GEMM_EPILOGUE_PROBE=1, measurement only)
 # Also builds forward_standalone from the same objects (the forward shares gemm/ptx code).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -9,7 +10,7 @@ root="$(cd "$here/../.." && pwd)"
 out="${OUTDIR:-$root/build/cuda_test_bwd}"
 mkdir -p "$out/lib"
 NVCC="${NVCC:-nvcc}"
-flags=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -lineinfo)
+flags=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -lineinfo ${EXTRA_NVCC_FLAGS:-})
 srcs=(schedule dispatch gemm_wgmma gemm_wgmma_bwd combine megakernel_fwd forward_cuda backward_cuda)
 pids=()
 for s in "${srcs[@]}"; do
