@@ -215,17 +215,11 @@ __device__ __forceinline__ void put_chunk(const Store& ts, int ch, Value&& v) {
 
 // Gate/up epilogue: the 256 accumulator columns are [gate 128 | up 128] of the
 // CTA's 128 output columns starting at n_base; writes bf16 gate, up and
-<<<<<<< HEAD
 // silu(gate) * up (computed from the fp32 accumulators). Store: TileStore
 // (Out = bf16 pointers) or TmaTileStore (Out = their tensor maps).
 template <typename Store, typename Out>
 __device__ __forceinline__ void store_gate_up(const float (&acc)[128], Store& ts, int n_base, Out gate, Out up,
                                               Out act) {
-=======
-// silu(gate) * up (computed from the fp32 accumulators).
-__device__ __forceinline__ void store_gate_up(const float (&acc)[128], const TileStore& ts, int n_base,
-                                              __nv_bfloat16* gate, __nv_bfloat16* up, __nv_bfloat16* act) {
->>>>>>> main
   if (MOK_GEMM_EPILOGUE_PROBE == 2) return;
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
@@ -239,13 +233,8 @@ __device__ __forceinline__ void store_gate_up(const float (&acc)[128], const Til
 }
 
 // Plain epilogue: bf16(acc) into 256 columns starting at n_base.
-<<<<<<< HEAD
 template <typename Store, typename Out>
 __device__ __forceinline__ void store_plain(const float (&acc)[128], Store& ts, int n_base, Out out) {
-=======
-__device__ __forceinline__ void store_plain(const float (&acc)[128], const TileStore& ts, int n_base,
-                                            __nv_bfloat16* out) {
->>>>>>> main
   if (MOK_GEMM_EPILOGUE_PROBE == 2) return;
 #pragma unroll
   for (int ch = 0; ch < 4; ++ch) {
