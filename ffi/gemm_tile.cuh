@@ -25,7 +25,16 @@
 #define MOK_GEMM_EPILOGUE_PROBE 0
 #endif
 
+// The TMA-store epilogue (TmaTileStore) is compiled into the staged GEMMs
+// (gemm_wgmma.cu; the backward's plain dgrad in gemm_wgmma_bwd.cu) only with
+// -DMOK_GEMM_TMA_STORE=1: not yet run on a GPU.
+#ifndef MOK_GEMM_TMA_STORE
+#define MOK_GEMM_TMA_STORE 0
+#endif
+
 namespace mok::cuda::tile {
+
+constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
 
 constexpr int kBM = 128;             // CTA rows (2 consumer WGs x 64)
 constexpr int kBN = 256;             // wgmma N per consumer WG

@@ -81,10 +81,7 @@ using tile::kThreads;
 // before its first A/B run, tests/cuda/ab_tma_store.sh). Without it the
 // kernel is the validated one: register-to-global stores (tile::TileStore),
 // kSmemBytes of shared memory.
-#ifndef MOK_GEMM_TMA_STORE
-#define MOK_GEMM_TMA_STORE 0
-#endif
-constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
+constexpr bool kTmaStore = tile::kTmaStore;
 constexpr int kKernelSmemBytes = kTmaStore ? kGemmSmemBytes : kSmemBytes;
 
 struct KParams {

@@ -2,8 +2,10 @@
 # One device call: the staged forward's TMA-store epilogue against the
 # register-to-global one (MOK_CUDA_GEMM_TMA_STORE=0) in the same binary:
 # correctness of the staged cases, A/B timing at the four benchmark shapes,
-# memcheck on a small case, then the Python build (default: no TMA store)
-# and a GPU pytest subset. The harness is built with -DMOK_GEMM_TMA_STORE=1.
+# memcheck on a small case, then the Python build (default: no TMA store),
+# a GPU pytest subset, the backward probe and the backward TMA-store A/B
+# (its plain dgrad epilogue).
+# The harnesses are built with -DMOK_GEMM_TMA_STORE=1.
 # Usage (GPU host, repo root): bash tests/cuda/ab_tma_store.sh
 set -uo pipefail
 L="${OUT:-/tmp/ab_out}"; mkdir -p "$L"
@@ -34,4 +36,13 @@ for v in 0 1; do
   echo "== backward probe $v"
   timeout 90 /tmp/ab_bwd$v/backward_standalone --timing --iters 20 > "$L/bwd$v.log" 2>&1
   grep -E "backward median|prep\+gather" "$L/bwd$v.log" | cut -c1-200
+done
+# The backward with the TMA-store dgrad (kSum2) epilogue: correctness, then A/B.
+OUTDIR=/tmp/ab_bwd_tma BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_GEMM_TMA_STORE=1 bash tests/cuda/build_and_run_backward.sh > "$L/build_bwd_tma.log" 2>&1 || echo "BWD TMA BUILD FAILED"
+timeout 150 /tmp/ab_bwd_tma/backward_standalone --correctness > "$L/bwd_corr.log" 2>&1; echo "bwd corr rc $?"
+grep -E "FAIL|RESULT" "$L/bwd_corr.log" | head -5
+for v in 1 0 1 0; do
+  echo "== backward tma_store=$v"
+  MOK_CUDA_GEMM_TMA_STORE=$v timeout 90 /tmp/ab_bwd_tma/backward_standalone --timing --iters 20 > "$L/bwd_t.log" 2>&1
+  grep -E "backward median|prep\+gather" "$L/bwd_t.log" | cut -c1-200
 done
