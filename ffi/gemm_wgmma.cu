@@ -98,7 +98,9 @@ struct KParams {
   __nv_bfloat16* out2;
   const uint64_t* row_dst;  // kStore: per-row destinations, or nullptr
   int zero_unused;
-  int tma_store;  // epilogue through TMA stores (tm_out*; kTmaStore builds, not with row_dst)
+#if MOK_GEMM_TMA_STORE
+  int tma_store;  // epilogue through TMA stores (tm_out*; not with row_dst)
+#endif
 };
 
 // kCluster = 1: one CTA per 128-row tile.
@@ -112,8 +114,11 @@ struct KParams {
 template <bool kFused, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b0,
-                        const __grid_constant__ CUtensorMap tm_b1, const __grid_constant__ CUtensorMap tm_out0,
-                        const __grid_constant__ CUtensorMap tm_out1, const __grid_constant__ CUtensorMap tm_out2,
+                        const __grid_constant__ CUtensorMap tm_b1,
+#if MOK_GEMM_TMA_STORE
+                        const __grid_constant__ CUtensorMap tm_out0, const __grid_constant__ CUtensorMap tm_out1,
+                        const __grid_constant__ CUtensorMap tm_out2,
+#endif
                         const KParams p) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -196,11 +201,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int cw = wg - 1;
     const int warp = (threadIdx.x / 32) & 3;
     const int lane = threadIdx.x & 31;
-    uint8_t* stg = smem + (kTmaStore ? kTmaStgOffset + (cw * 4 + warp) * kTmaStgWarpBytes
-                                     : kStages * kStageBytes + kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes);
-    bool tma = false;
-    if constexpr (kTmaStore) tma = p.tma_store != 0;
+#if MOK_GEMM_TMA_STORE
+    uint8_t* stg = smem + kTmaStgOffset + (cw * 4 + warp) * kTmaStgWarpBytes;
+    const bool tma = p.tma_store != 0;
     tile::TmaTileStore tts{stg, lane, 0, {false, false}, 0u};
+#else
+    uint8_t* stg = smem + kStages * kStageBytes + kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes;
+#endif
     // The partner's empty barriers, mapped once (one register for the loop).
     const uint32_t peer_empty = kCluster > 1 ? ptx::map_to_rank(ptx::smem_u32(empty_bar), crank ^ 1) : 0u;
     auto release = [&](uint32_t s) {
@@ -249,30 +256,33 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool unused = g_self < 0;  // computed only to keep the pair in lock-step
       if (unused && !p.zero_unused) continue;
       const int wrow0 = mt * kBM + cw * 64 + warp * 16;  // first row of this warp
-      bool keep[2];
+      tile::TileStore ts{stg, lane, wrow0, p.m_rows, p.n, {false, false}, p.row_dst};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row0 + h * 8;
-        keep[h] = !unused && row < p.m_rows && (p.row_mask == nullptr || p.row_mask[row] != 0);
+        ts.keep[h] = !unused && row < p.m_rows && (p.row_mask == nullptr || p.row_mask[row] != 0);
       }
+#if MOK_GEMM_TMA_STORE
       if (tma) {
         tts.wrow0 = wrow0;
-        tts.keep[0] = keep[0], tts.keep[1] = keep[1];
+        tts.keep[0] = ts.keep[0], tts.keep[1] = ts.keep[1];
         if (kFused) {
           tile::store_gate_up(acc, tts, nt * 128, &tm_out0, &tm_out1, &tm_out2);
         } else {
           tile::store_plain(acc, tts, nt * 256, &tm_out0);
         }
+        continue;
+      }
+#endif
+      if (kFused) {
+        tile::store_gate_up(acc, ts, nt * 128, p.out0, p.out1, p.out2);
       } else {
-        tile::TileStore ts{stg, lane, wrow0, p.m_rows, p.n, {keep[0], keep[1]}, p.row_dst};
-        if (kFused) {
-          tile::store_gate_up(acc, ts, nt * 128, p.out0, p.out1, p.out2);
-        } else {
-          tile::store_plain(acc, ts, nt * 256, p.out0);
-        }
+        tile::store_plain(acc, ts, nt * 256, p.out0);
       }
     }
+#if MOK_GEMM_TMA_STORE
     if (tma) tts.drain();
+#endif
   }
   // No CTA of a cluster may exit while its partner can still arrive on its
   // barriers or multicast into its shared memory.
@@ -351,7 +361,13 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
   if (units <= 0) return nullptr;
   const int clusters = static_cast<int>(std::min<int64_t>(units, max_clusters));
   cfg.gridDim = dim3(clusters * kCluster, 1, 1);
-  if (cudaLaunchKernelEx(&cfg, kern, tm_a, tm_b0, tm_b1, tm_out[0], tm_out[1], tm_out[2], p) != cudaSuccess)
+#if MOK_GEMM_TMA_STORE
+  const cudaError_t launched = cudaLaunchKernelEx(&cfg, kern, tm_a, tm_b0, tm_b1, tm_out[0], tm_out[1], tm_out[2], p);
+#else
+  (void)tm_out;
+  const cudaError_t launched = cudaLaunchKernelEx(&cfg, kern, tm_a, tm_b0, tm_b1, p);
+#endif
+  if (launched != cudaSuccess)
     return "mok cuda gemm: kernel launch failed";
   if (cudaGetLastError() != cudaSuccess) return "mok cuda gemm: kernel launch failed";
   return nullptr;
@@ -433,8 +449,12 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   // Output maps for the TMA-store epilogue: boxes of 64 columns x 16 rows (one
   // consumer warp's chunk). Not for per-row destinations (row_dst).
   CUtensorMap tm_out[3];
-  p.tma_store = kTmaStore && a.row_dst == nullptr && gemm_tma_store() ? 1 : 0;
-  if (p.tma_store) {
+  bool tma_store = false;
+#if MOK_GEMM_TMA_STORE
+  tma_store = a.row_dst == nullptr && gemm_tma_store();
+  p.tma_store = tma_store ? 1 : 0;
+#endif
+  if (tma_store) {
     void* outs[3] = {a.out0, fused ? a.out1 : a.out0, fused ? a.out2 : a.out0};
     for (int j = 0; j < 3; ++j)
       if (!make_map_2d(&tm_out[j], outs[j], a.m_rows, a.n, 64, 16))

@@ -71,7 +71,9 @@ struct BParams {
   __nv_bfloat16* out2;
   const uint64_t* row_dst;  // kSum2: per-row destinations, or nullptr
   float* part;
-  int tma_store;  // kSum2 in kTmaStore builds: out0 through TMA stores (maps.m[4])
+#if MOK_GEMM_TMA_STORE
+  int tma_store;  // kSum2: out0 through TMA stores (maps.m[4])
+#endif
   // wgrad
   JobP job[3];
   int jobs;
@@ -193,11 +195,13 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
     const int cw = wg - 1;
     const int warp = (threadIdx.x / 32) & 3;
     const int lane = threadIdx.x & 31;
-    uint8_t* stg = smem + (kTmaStore ? kTmaStgOffset + (cw * 4 + warp) * kTmaStgWarpBytes
-                                     : kStages * kStageBytes + tile::kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes);
-    bool tma = false;
-    if constexpr (kTmaStore && kMode == kSum2) tma = p.tma_store != 0;
+#if MOK_GEMM_TMA_STORE
+    uint8_t* stg = smem + kTmaStgOffset + (cw * 4 + warp) * kTmaStgWarpBytes;
+    const bool tma = kMode == kSum2 && p.tma_store != 0;
     tile::TmaTileStore tts{stg, lane, 0, {false, false}, 0u};
+#else
+    uint8_t* stg = smem + kStages * kStageBytes + tile::kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes;
+#endif
     float acc[128];
     uint32_t it = 0;
     for (int u = blockIdx.x; u < p.units; u += gridDim.x) {
@@ -392,10 +396,12 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
           if (p.part != nullptr && (lane & 3) == 0 && row < x.m)
             p.part[static_cast<size_t>(row) * p.n_tiles + x.nt] = keep[h] ? d : 0.0f;
         }
+#if MOK_GEMM_TMA_STORE
       } else if (tma) {
         tts.wrow0 = wrow0;
         tts.keep[0] = keep[0], tts.keep[1] = keep[1];
         tile::store_plain(acc, tts, n_base, &maps.m[4]);
+#endif
       } else {
 #pragma unroll
         for (int ch = 0; ch < 4; ++ch) {
@@ -410,7 +416,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
         }
       }
     }
+#if MOK_GEMM_TMA_STORE
     if (tma) tts.drain();  // every TMA store complete before the CTA exits
+#endif
   }
 }
 
@@ -506,9 +514,11 @@ const char* launch_dgrad_sum2(const DgradArgs& a, int num_sms, cudaStream_t stre
   if (const char* e = dgrad_common(a, true, maps, p)) return e[0] == 'e' ? nullptr : e;
   p.row_dst = a.row_dst;
   // TMA-store epilogue (kTmaStore builds): boxes of 64 columns x 16 rows of out0.
-  p.tma_store = kTmaStore && a.row_dst == nullptr && gemm_tma_store() ? 1 : 0;
+#if MOK_GEMM_TMA_STORE
+  p.tma_store = a.row_dst == nullptr && gemm_tma_store() ? 1 : 0;
   if (p.tma_store && !make_map_2d(&maps.m[4], a.out0, a.m_rows, a.n, 64, 16))
     return "mok cuda bwd gemm: tensor map (output) encode failed";
+#endif
   return launch<kSum2>(maps, p, num_sms, stream);
 }
 
