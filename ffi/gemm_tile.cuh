@@ -25,7 +25,16 @@
 #define MOK_GEMM_EPILOGUE_PROBE 0
 #endif
 
+// The TMA-store epilogue (TmaTileStore) is compiled into the staged GEMMs
+// (gemm_wgmma.cu; the backward's plain dgrad in gemm_wgmma_bwd.cu) only with
+// -DMOK_GEMM_TMA_STORE=1: not yet run on a GPU.
+#ifndef MOK_GEMM_TMA_STORE
+#define MOK_GEMM_TMA_STORE 0
+#endif
+
 namespace mok::cuda::tile {
+
+constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
 
 constexpr int kBM = 128;             // CTA rows (2 consumer WGs x 64)
 constexpr int kBN = 256;             // wgmma N per consumer WG
@@ -42,6 +51,18 @@ constexpr int kStgPitch = 64 * 2 + 16;
 constexpr int kStgWarpBytes = 16 * kStgPitch;
 constexpr int kBarrierBytes = 256;   // mbarriers and small shared words
 constexpr int kSmemBytes = kStages * kStageBytes + 1024 /*align slack*/ + kBarrierBytes + 8 * kStgWarpBytes;
+// The staged grouped GEMM's layout (gemm_wgmma.cu): its epilogue stores
+// through TMA (TmaTileStore), from two 16 x 64 bf16 buffers per consumer warp
+// (dense 128-byte rows, 128-byte swizzle, so each buffer sits on a 1024-byte
+// boundary: the swizzle's 8-row period); the barriers take the first 256 B of
+// the 1024 before them. The rows-to-addresses epilogue (TileStore with
+// row_dst) uses the same per-warp region.
+constexpr int kTmaStgOffset = kStages * kStageBytes + 1024;
+constexpr int kTmaStgBufBytes = 16 * 128;
+constexpr int kTmaStgWarpBytes = 2 * kTmaStgBufBytes;
+constexpr int kGemmSmemBytes = 1024 /*align slack*/ + kTmaStgOffset + 8 * kTmaStgWarpBytes;
+static_assert(kGemmSmemBytes <= 227 * 1024, "the grouped GEMM's shared memory exceeds an SM's 227 KB");
+static_assert(kBarrierBytes <= 1024 && kStgWarpBytes <= kTmaStgWarpBytes, "staging layout");
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 
@@ -144,11 +165,54 @@ struct TileStore {
   }
 };
 
+// Epilogue writer of one consumer warp through TMA stores: each 16 x 64
+// chunk is staged in one of the warp's two buffers and stored by one
+// cp.async.bulk.tensor issued by lane 0, so the warp goes on to the next
+// chunk (and, after a tile's last chunk, to the next tile's MMAs) while the
+// copy engine writes it: measured, the register-to-global stores of TileStore
+// kept the consumers (and so the tensor cores) idle for 8 % of the gate/up
+// GEMM and 22 % of the down GEMM (MOK_GEMM_EPILOGUE_PROBE=1, ncu, shape 1).
+// Rows past the output's end are clipped by the tensor map; keep[h] = false
+// writes zeros for the warp's row (lane/4 + 8h). One store object lives for
+// the whole kernel: `slot` alternates across tiles too.
+struct TmaTileStore {
+  uint8_t* buf;  // the warp's two kTmaStgBufBytes buffers, 1024-byte aligned
+  int lane;
+  int wrow0;     // first row of this warp in the current tile
+  bool keep[2];
+  uint32_t slot;
+
+  // Row r = lane/4 + 8h holds bytes [16 gg, 16 gg + 16) of its 128 at 16-byte
+  // chunk gg ^ (r % 8) (the 128-byte swizzle): the 8 rows of one store
+  // instruction land on 8 distinct bank groups.
+  __device__ __forceinline__ void put(int gg, int h, float v0, float v1) const {
+    const int r = (lane >> 2) + h * 8;
+    *reinterpret_cast<uint32_t*>(buf + slot * kTmaStgBufBytes + r * 128 + ((gg ^ (r & 7)) << 4) + (lane & 3) * 4) =
+        keep[h] ? pack_bf16x2(v0, v1) : 0u;
+  }
+  __device__ __forceinline__ void flush(const CUtensorMap* map, int col0) {
+    ptx::fence_proxy_async_shared();  // this lane's writes, visible to the copy engine
+    __syncwarp();
+    if (lane == 0) {
+      ptx::tma_store_2d(map, buf + slot * kTmaStgBufBytes, col0, wrow0);
+      ptx::bulk_commit_group();
+      ptx::bulk_wait_group_read<1>();  // the other buffer, written next, has been read out
+    }
+    __syncwarp();
+    slot ^= 1;
+  }
+  // Before the CTA exits: every store of this warp complete.
+  __device__ __forceinline__ void drain() const {
+    if (lane == 0) ptx::bulk_wait_group<0>();
+    __syncwarp();
+  }
+};
+
 // Stages column chunk `ch` (64 columns) of the warp's 16 rows: v(i) is the
 // value of accumulator slot i, for the chunk's slots i = (ch * 8 + gg) * 4 +
 // h * 2 and i + 1 (see the wgmma accumulator layout in cuda_ptx.cuh).
-template <typename Value>
-__device__ __forceinline__ void put_chunk(const TileStore& ts, int ch, Value&& v) {
+template <typename Store, typename Value>
+__device__ __forceinline__ void put_chunk(const Store& ts, int ch, Value&& v) {
 #pragma unroll
   for (int gg = 0; gg < 8; ++gg)
 #pragma unroll
@@ -160,9 +224,11 @@ __device__ __forceinline__ void put_chunk(const TileStore& ts, int ch, Value&& v
 
 // Gate/up epilogue: the 256 accumulator columns are [gate 128 | up 128] of the
 // CTA's 128 output columns starting at n_base; writes bf16 gate, up and
-// silu(gate) * up (computed from the fp32 accumulators).
-__device__ __forceinline__ void store_gate_up(const float (&acc)[128], const TileStore& ts, int n_base,
-                                              __nv_bfloat16* gate, __nv_bfloat16* up, __nv_bfloat16* act) {
+// silu(gate) * up (computed from the fp32 accumulators). Store: TileStore
+// (Out = bf16 pointers) or TmaTileStore (Out = their tensor maps).
+template <typename Store, typename Out>
+__device__ __forceinline__ void store_gate_up(const float (&acc)[128], Store& ts, int n_base, Out gate, Out up,
+                                              Out act) {
   if (MOK_GEMM_EPILOGUE_PROBE == 2) return;
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
@@ -176,8 +242,8 @@ __device__ __forceinline__ void store_gate_up(const float (&acc)[128], const Til
 }
 
 // Plain epilogue: bf16(acc) into 256 columns starting at n_base.
-__device__ __forceinline__ void store_plain(const float (&acc)[128], const TileStore& ts, int n_base,
-                                            __nv_bfloat16* out) {
+template <typename Store, typename Out>
+__device__ __forceinline__ void store_plain(const float (&acc)[128], Store& ts, int n_base, Out out) {
   if (MOK_GEMM_EPILOGUE_PROBE == 2) return;
 #pragma unroll
   for (int ch = 0; ch < 4; ++ch) {

@@ -66,11 +66,23 @@ using tile::kBChunk;
 using tile::kBK;
 using tile::kBM;
 using tile::kConsumerWarps;
+using tile::kBarrierBytes;
+using tile::kGemmSmemBytes;
 using tile::kSmemBytes;
+using tile::kStgWarpBytes;
 using tile::kStageBytes;
 using tile::kStages;
-using tile::kStgWarpBytes;
+using tile::kTmaStgOffset;
+using tile::kTmaStgWarpBytes;
 using tile::kThreads;
+
+// The TMA-store epilogue (tile::TmaTileStore) is compiled in only with
+// -DMOK_GEMM_TMA_STORE=1: it has not run on a GPU yet (the device was lost
+// before its first A/B run, tests/cuda/ab_tma_store.sh). Without it the
+// kernel is the validated one: register-to-global stores (tile::TileStore),
+// kSmemBytes of shared memory.
+constexpr bool kTmaStore = tile::kTmaStore;
+constexpr int kKernelSmemBytes = kTmaStore ? kGemmSmemBytes : kSmemBytes;
 
 struct KParams {
   int m_rows;
@@ -86,6 +98,9 @@ struct KParams {
   __nv_bfloat16* out2;
   const uint64_t* row_dst;  // kStore: per-row destinations, or nullptr
   int zero_unused;
+#if MOK_GEMM_TMA_STORE
+  int tma_store;  // epilogue through TMA stores (tm_out*; not with row_dst)
+#endif
 };
 
 // kCluster = 1: one CTA per 128-row tile.
@@ -99,7 +114,12 @@ struct KParams {
 template <bool kFused, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b0,
-                        const __grid_constant__ CUtensorMap tm_b1, const KParams p) {
+                        const __grid_constant__ CUtensorMap tm_b1,
+#if MOK_GEMM_TMA_STORE
+                        const __grid_constant__ CUtensorMap tm_out0, const __grid_constant__ CUtensorMap tm_out1,
+                        const __grid_constant__ CUtensorMap tm_out2,
+#endif
+                        const KParams p) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
@@ -181,7 +201,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int cw = wg - 1;
     const int warp = (threadIdx.x / 32) & 3;
     const int lane = threadIdx.x & 31;
-    uint8_t* stg = smem + kStages * kStageBytes + tile::kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes;
+#if MOK_GEMM_TMA_STORE
+    uint8_t* stg = smem + kTmaStgOffset + (cw * 4 + warp) * kTmaStgWarpBytes;
+    const bool tma = p.tma_store != 0;
+    tile::TmaTileStore tts{stg, lane, 0, {false, false}, 0u};
+#else
+    uint8_t* stg = smem + kStages * kStageBytes + kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes;
+#endif
     // The partner's empty barriers, mapped once (one register for the loop).
     const uint32_t peer_empty = kCluster > 1 ? ptx::map_to_rank(ptx::smem_u32(empty_bar), crank ^ 1) : 0u;
     auto release = [&](uint32_t s) {
@@ -236,12 +262,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int row = row0 + h * 8;
         ts.keep[h] = !unused && row < p.m_rows && (p.row_mask == nullptr || p.row_mask[row] != 0);
       }
+#if MOK_GEMM_TMA_STORE
+      if (tma) {
+        tts.wrow0 = wrow0;
+        tts.keep[0] = ts.keep[0], tts.keep[1] = ts.keep[1];
+        if (kFused) {
+          tile::store_gate_up(acc, tts, nt * 128, &tm_out0, &tm_out1, &tm_out2);
+        } else {
+          tile::store_plain(acc, tts, nt * 256, &tm_out0);
+        }
+        continue;
+      }
+#endif
       if (kFused) {
         tile::store_gate_up(acc, ts, nt * 128, p.out0, p.out1, p.out2);
       } else {
         tile::store_plain(acc, ts, nt * 256, p.out0);
       }
     }
+#if MOK_GEMM_TMA_STORE
+    if (tma) tts.drain();
+#endif
   }
   // No CTA of a cluster may exit while its partner can still arrive on its
   // barriers or multicast into its shared memory.
@@ -278,12 +319,12 @@ int resident_clusters(int num_sms) {
     attr[0].val.clusterDim.z = 1;
     cfg.gridDim = dim3(kCluster * std::max(1, num_sms / kCluster), 1, 1);
     cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.dynamicSmemBytes = kKernelSmemBytes;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    bool ok = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) == cudaSuccess;
+    bool ok = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kKernelSmemBytes) == cudaSuccess;
     if (ok && kCluster == 1) {
-      ok = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, kThreads, kSmemBytes) == cudaSuccess;
+      ok = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, kThreads, kKernelSmemBytes) == cudaSuccess;
       n *= num_sms;
     } else if (ok) {
       ok = cudaOccupancyMaxActiveClusters(&n, kern, &cfg) == cudaSuccess;
@@ -299,9 +340,9 @@ int resident_clusters(int num_sms) {
 
 template <bool kFused, int kCluster>
 const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, const CUtensorMap& tm_b1,
-                          const KParams& p, int num_sms, cudaStream_t stream) {
+                          const CUtensorMap (&tm_out)[3], const KParams& p, int num_sms, cudaStream_t stream) {
   auto* kern = grouped_gemm_kernel<kFused, kCluster>;
-  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kKernelSmemBytes) != cudaSuccess)
     return "mok cuda gemm: cudaFuncSetAttribute failed";
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
@@ -310,7 +351,7 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.dynamicSmemBytes = kKernelSmemBytes;
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = kCluster > 1 ? 1 : 0;
@@ -320,7 +361,13 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
   if (units <= 0) return nullptr;
   const int clusters = static_cast<int>(std::min<int64_t>(units, max_clusters));
   cfg.gridDim = dim3(clusters * kCluster, 1, 1);
-  if (cudaLaunchKernelEx(&cfg, kern, tm_a, tm_b0, tm_b1, p) != cudaSuccess)
+#if MOK_GEMM_TMA_STORE
+  const cudaError_t launched = cudaLaunchKernelEx(&cfg, kern, tm_a, tm_b0, tm_b1, tm_out[0], tm_out[1], tm_out[2], p);
+#else
+  (void)tm_out;
+  const cudaError_t launched = cudaLaunchKernelEx(&cfg, kern, tm_a, tm_b0, tm_b1, p);
+#endif
+  if (launched != cudaSuccess)
     return "mok cuda gemm: kernel launch failed";
   if (cudaGetLastError() != cudaSuccess) return "mok cuda gemm: kernel launch failed";
   return nullptr;
@@ -328,12 +375,23 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
 
 }  // namespace
 
-int grouped_gemm_smem_bytes() { return kSmemBytes; }
+int grouped_gemm_smem_bytes() { return kKernelSmemBytes; }
 
 int grouped_gemm_resident_clusters(GemmEpilogue epi, int cluster, int num_sms) {
   const bool fused = epi == GemmEpilogue::kGateUpSwiGLU;
   if (cluster == 2) return fused ? resident_clusters<true, 2>(num_sms) : resident_clusters<false, 2>(num_sms);
   return fused ? resident_clusters<true, 1>(num_sms) : resident_clusters<false, 1>(num_sms);
+}
+
+// In a kTmaStore build the epilogue stores through TMA (tile::TmaTileStore)
+// unless MOK_CUDA_GEMM_TMA_STORE=0 (register-to-global stores: an A/B in one
+// binary).
+int gemm_tma_store() {
+  static const int v = [] {
+    const char* e = std::getenv("MOK_CUDA_GEMM_TMA_STORE");
+    return (e != nullptr && std::atoi(e) == 0) ? 0 : 1;
+  }();
+  return v;
 }
 
 // Rasterisation band of every persistent GEMM loop (tile::raster): 8 unless
@@ -388,14 +446,31 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   p.row_dst = a.row_dst;
   p.zero_unused = a.zero_unused_tiles ? 1 : 0;
 
+  // Output maps for the TMA-store epilogue: boxes of 64 columns x 16 rows (one
+  // consumer warp's chunk). Not for per-row destinations (row_dst).
+  CUtensorMap tm_out[3];
+  bool tma_store = false;
+#if MOK_GEMM_TMA_STORE
+  tma_store = a.row_dst == nullptr && gemm_tma_store();
+  p.tma_store = tma_store ? 1 : 0;
+#endif
+  if (tma_store) {
+    void* outs[3] = {a.out0, fused ? a.out1 : a.out0, fused ? a.out2 : a.out0};
+    for (int j = 0; j < 3; ++j)
+      if (!make_map_2d(&tm_out[j], outs[j], a.m_rows, a.n, 64, 16))
+        return "mok cuda gemm: tensor map (output) encode failed";
+  } else {
+    tm_out[0] = tm_out[1] = tm_out[2] = tm_a;  // unused
+  }
+
   const int cluster = gemm_cluster_size();
   p.group_m = std::max(1, gemm_group_m() / cluster);
   if (fused) {
-    if (cluster == 2) return launch_kernel<true, 2>(tm_a, tm_b0, tm_b1, p, num_sms, stream);
-    return launch_kernel<true, 1>(tm_a, tm_b0, tm_b1, p, num_sms, stream);
+    if (cluster == 2) return launch_kernel<true, 2>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
+    return launch_kernel<true, 1>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
   }
-  if (cluster == 2) return launch_kernel<false, 2>(tm_a, tm_b0, tm_b1, p, num_sms, stream);
-  return launch_kernel<false, 1>(tm_a, tm_b0, tm_b1, p, num_sms, stream);
+  if (cluster == 2) return launch_kernel<false, 2>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
+  return launch_kernel<false, 1>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
 }
 
 }  // namespace mok::cuda

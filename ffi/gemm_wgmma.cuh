@@ -71,6 +71,9 @@ bool make_map_b(CUtensorMap* m, const void* ptr, int64_t groups, int64_t k, int6
 // Rasterisation band (m tiles) of the persistent GEMM loops, see tile::raster:
 // 8, or MOK_CUDA_GEMM_GROUP_M (read once) for measurements.
 int gemm_group_m();
+// In a -DMOK_GEMM_TMA_STORE=1 build: 1 unless MOK_CUDA_GEMM_TMA_STORE=0 (the
+// register-to-global stores, for an A/B in one binary).
+int gemm_tma_store();
 
 // Dynamic shared memory one GEMM CTA uses (for reports).
 int grouped_gemm_smem_bytes();

@@ -35,6 +35,11 @@ using tile::kStageBytes;
 using tile::kStages;
 using tile::kStgPitch;
 using tile::kStgWarpBytes;
+using tile::kTmaStgOffset;
+using tile::kTmaStgWarpBytes;
+using tile::kTmaStore;
+// kTmaStore builds: the larger layout of the TMA-store epilogue (gemm_tile.cuh).
+constexpr int kKernelSmemBytes = kTmaStore ? tile::kGemmSmemBytes : kSmemBytes;
 using tile::kThreads;
 using tile::pack_bf16x2;
 constexpr int kChunk = tile::kBChunk;  // 8 KB: one MN-major 64 x 64 box
@@ -66,6 +71,9 @@ struct BParams {
   __nv_bfloat16* out2;
   const uint64_t* row_dst;  // kSum2: per-row destinations, or nullptr
   float* part;
+#if MOK_GEMM_TMA_STORE
+  int tma_store;  // kSum2: out0 through TMA stores (maps.m[4])
+#endif
   // wgrad
   JobP job[3];
   int jobs;
@@ -187,7 +195,13 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
     const int cw = wg - 1;
     const int warp = (threadIdx.x / 32) & 3;
     const int lane = threadIdx.x & 31;
+#if MOK_GEMM_TMA_STORE
+    uint8_t* stg = smem + kTmaStgOffset + (cw * 4 + warp) * kTmaStgWarpBytes;
+    const bool tma = kMode == kSum2 && p.tma_store != 0;
+    tile::TmaTileStore tts{stg, lane, 0, {false, false}, 0u};
+#else
     uint8_t* stg = smem + kStages * kStageBytes + tile::kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes;
+#endif
     float acc[128];
     uint32_t it = 0;
     for (int u = blockIdx.x; u < p.units; u += gridDim.x) {
@@ -382,6 +396,12 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
           if (p.part != nullptr && (lane & 3) == 0 && row < x.m)
             p.part[static_cast<size_t>(row) * p.n_tiles + x.nt] = keep[h] ? d : 0.0f;
         }
+#if MOK_GEMM_TMA_STORE
+      } else if (tma) {
+        tts.wrow0 = wrow0;
+        tts.keep[0] = keep[0], tts.keep[1] = keep[1];
+        tile::store_plain(acc, tts, n_base, &maps.m[4]);
+#endif
       } else {
 #pragma unroll
         for (int ch = 0; ch < 4; ++ch) {
@@ -396,6 +416,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
         }
       }
     }
+#if MOK_GEMM_TMA_STORE
+    if (tma) tts.drain();  // every TMA store complete before the CTA exits
+#endif
   }
 }
 
@@ -421,14 +444,14 @@ const char* launch(const Maps& maps, BParams p, int num_sms, cudaStream_t stream
   auto* kern = bwd_gemm_kernel<kMode>;
   static std::atomic<int> attr_done{0};
   if (attr_done.load() == 0) {
-    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kKernelSmemBytes) != cudaSuccess)
       return "mok cuda bwd gemm: cudaFuncSetAttribute failed";
     attr_done.store(1);
   }
   if (p.units <= 0) return nullptr;
   p.group_m = gemm_group_m();
   const int grid = std::max(1, std::min(p.units, num_sms));
-  bwd_gemm_kernel<kMode><<<grid, kThreads, kSmemBytes, stream>>>(maps, p);
+  bwd_gemm_kernel<kMode><<<grid, kThreads, kKernelSmemBytes, stream>>>(maps, p);
   if (cudaGetLastError() != cudaSuccess) return "mok cuda bwd gemm: kernel launch failed";
   return nullptr;
 }
@@ -490,6 +513,12 @@ const char* launch_dgrad_sum2(const DgradArgs& a, int num_sms, cudaStream_t stre
   BParams p;
   if (const char* e = dgrad_common(a, true, maps, p)) return e[0] == 'e' ? nullptr : e;
   p.row_dst = a.row_dst;
+  // TMA-store epilogue (kTmaStore builds): boxes of 64 columns x 16 rows of out0.
+#if MOK_GEMM_TMA_STORE
+  p.tma_store = a.row_dst == nullptr && gemm_tma_store() ? 1 : 0;
+  if (p.tma_store && !make_map_2d(&maps.m[4], a.out0, a.m_rows, a.n, 64, 16))
+    return "mok cuda bwd gemm: tensor map (output) encode failed";
+#endif
   return launch<kSum2>(maps, p, num_sms, stream);
 }
 

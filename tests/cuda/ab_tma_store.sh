@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The TMA-store epilogue (branch tma-store-epilogue) against the
+# register-to-global stores (MOK_CUDA_GEMM_TMA_STORE=0) in the same binaries,
+# which are built with -DMOK_GEMM_TMA_STORE=1. Steps (STEPS, default all, too
+# many for one 600 s device call: run "fwd memcheck" then "pytest bwd"):
+#   fwd      staged forward: SASS counts, correctness, A/B at the 4 shapes
+#   memcheck compute-sanitizer memcheck of the staged forward, small case
+#   pytest   Python build (default flags: no TMA store) + GPU pytest subset
+#   bwd      backward: epilogue probe 0/1, then the TMA-store dgrad
+#            (d_x rows) epilogue: correctness and A/B at shape 1
+# Usage (GPU host, repo root): STEPS="fwd memcheck" bash tests/cuda/ab_tma_store.sh
+set -uo pipefail
+L="${OUT:-/tmp/ab_out}"; mkdir -p "$L"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+STEPS=" ${STEPS:-fwd memcheck pytest bwd} "
+has() { [[ "$STEPS" == *" $1 "* ]]; }
+B=/tmp/ab_build
+if has pytest; then
+  (python3 -m pip install --no-build-isolation --no-deps -e . > "$L/pip.log" 2>&1; echo "pip rc $?" >> "$L/pip.log") &
+  pip_pid=$!
+fi
+if has fwd || has memcheck; then
+  OUTDIR=$B BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_GEMM_TMA_STORE=1 bash tests/cuda/build_and_run.sh > "$L/build.log" 2>&1 ||
+    { echo BUILD FAILED; tail -30 "$L/build.log"; }
+fi
+if has fwd; then
+  cuobjdump --dump-sass $B/gemm_wgmma.o | grep -cE "HGMMA" | sed 's/^/HGMMA in gemm_wgmma: /'
+  cuobjdump --dump-sass $B/gemm_wgmma.o | grep -cE "UTMASTG" | sed 's/^/UTMASTG in gemm_wgmma: /'
+  timeout 150 $B/forward_standalone --correctness --staged > "$L/corr.log" 2>&1; echo "corr rc $?"
+  grep -cE "PASS" "$L/corr.log" | sed 's/^/PASS lines: /'; grep -E "FAIL|RESULT" "$L/corr.log" | head -5
+  for s in 32768,2048,768,128,8 32768,4096,1024,128,8 4096,7168,2048,32,8 8192,4096,14336,8,2; do
+    for v in 1 0 1 0; do
+      echo "== tma_store=$v shape $s"
+      MOK_CUDA_GEMM_TMA_STORE=$v timeout 60 $B/forward_standalone --timing --iters 20 --staged --shape $s > "$L/t.log" 2>&1
+      grep -E "total   median|gate/up|determinism|error|FAIL" "$L/t.log" | cut -c1-160
+    done
+  done
+fi
+if has memcheck; then
+  timeout 90 compute-sanitizer --tool memcheck --error-exitcode 9 $B/forward_standalone --case odd_dims --staged > "$L/memcheck.log" 2>&1
+  echo "memcheck rc $?"; grep -E "ERROR SUMMARY" "$L/memcheck.log"
+fi
+if has pytest; then
+  wait $pip_pid; tail -1 "$L/pip.log"
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
+    -k "forward_small or forward_edge or layer_gradients or backward_edge or megakernel_equals or graphs" > "$L/pytest.log" 2>&1
+  tail -3 "$L/pytest.log"
+fi
+if has bwd; then
+  for v in 0 1; do  # the backward's epilogue cost at shape 1: its stores dropped (probe 1) or not
+    OUTDIR=/tmp/ab_bwd$v BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_GEMM_EPILOGUE_PROBE=$v bash tests/cuda/build_and_run_backward.sh > "$L/build_bwd$v.log" 2>&1 &
+  done
+  OUTDIR=/tmp/ab_bwd_tma BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_GEMM_TMA_STORE=1 bash tests/cuda/build_and_run_backward.sh > "$L/build_bwd_tma.log" 2>&1 ||
+    echo "BWD TMA BUILD FAILED"
+  wait
+  for v in 0 1; do
+    echo "== backward probe $v"
+    timeout 90 /tmp/ab_bwd$v/backward_standalone --timing --iters 20 > "$L/bwd$v.log" 2>&1
+    grep -E "backward median|prep\+gather" "$L/bwd$v.log" | cut -c1-200
+  done
+  timeout 150 /tmp/ab_bwd_tma/backward_standalone --correctness > "$L/bwd_corr.log" 2>&1; echo "bwd corr rc $?"
+  grep -E "FAIL|RESULT" "$L/bwd_corr.log" | head -5
+  for v in 1 0 1 0; do
+    echo "== backward tma_store=$v"
+    MOK_CUDA_GEMM_TMA_STORE=$v timeout 90 /tmp/ab_bwd_tma/backward_standalone --timing --iters 20 > "$L/bwd_t.log" 2>&1
+    grep -E "backward median|prep\+gather" "$L/bwd_t.log" | cut -c1-200
+  done
+fi
