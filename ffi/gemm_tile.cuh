@@ -18,9 +18,8 @@
 // Measurement only, never in a shipped build (tests/cuda/build_and_run.sh
 // EXTRA_NVCC_FLAGS): MOK_GEMM_EPILOGUE_PROBE=1 drops the epilogues' global
 // stores, forward (here) and backward (gemm_wgmma_bwd.cu; build_and_run_backward.sh)
-// (benchmarks/RESULTS.md, "Epilogue probe"). =2 was meant to drop the
-// whole epilogue, but with the accumulators dead the MMAs evidently went too
-// (ncu: 8 % SM throughput), so its timings bound only the TMA loads.
+// (benchmarks/RESULTS.md, "Epilogue probe"). Dropping the whole epilogue is
+// no measurement: with the accumulators dead the MMAs go too.
 #ifndef MOK_GEMM_EPILOGUE_PROBE
 #define MOK_GEMM_EPILOGUE_PROBE 0
 #endif
@@ -33,8 +32,6 @@
 #endif
 
 namespace mok::cuda::tile {
-
-constexpr bool kTmaStore = MOK_GEMM_TMA_STORE != 0;
 
 constexpr int kBM = 128;             // CTA rows (2 consumer WGs x 64)
 constexpr int kBN = 256;             // wgmma N per consumer WG
@@ -60,9 +57,22 @@ constexpr int kSmemBytes = kStages * kStageBytes + 1024 /*align slack*/ + kBarri
 constexpr int kTmaStgOffset = kStages * kStageBytes + 1024;
 constexpr int kTmaStgBufBytes = 16 * 128;
 constexpr int kTmaStgWarpBytes = 2 * kTmaStgBufBytes;
-constexpr int kGemmSmemBytes = 1024 /*align slack*/ + kTmaStgOffset + 8 * kTmaStgWarpBytes;
-static_assert(kGemmSmemBytes <= 227 * 1024, "the grouped GEMM's shared memory exceeds an SM's 227 KB");
+constexpr int kTmaGemmSmemBytes = 1024 /*align slack*/ + kTmaStgOffset + 8 * kTmaStgWarpBytes;
+static_assert(kTmaGemmSmemBytes <= 227 * 1024, "the grouped GEMM's shared memory exceeds an SM's 227 KB");
 static_assert(kBarrierBytes <= 1024 && kStgWarpBytes <= kTmaStgWarpBytes, "staging layout");
+// The staged GEMMs' (gemm_wgmma.cu, gemm_wgmma_bwd.cu) shared memory and
+// consumer-warp staging (warp w of consumer WG cw at kStagedStgOffset +
+// (4 cw + w) * kStagedStgWarpBytes): the TMA-store layout in
+// -DMOK_GEMM_TMA_STORE=1 builds, else the megakernel's.
+#if MOK_GEMM_TMA_STORE
+constexpr int kStagedGemmSmemBytes = kTmaGemmSmemBytes;
+constexpr int kStagedStgOffset = kTmaStgOffset;
+constexpr int kStagedStgWarpBytes = kTmaStgWarpBytes;
+#else
+constexpr int kStagedGemmSmemBytes = kSmemBytes;
+constexpr int kStagedStgOffset = kStages * kStageBytes + kBarrierBytes;
+constexpr int kStagedStgWarpBytes = kStgWarpBytes;
+#endif
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 
@@ -229,7 +239,6 @@ __device__ __forceinline__ void put_chunk(const Store& ts, int ch, Value&& v) {
 template <typename Store, typename Out>
 __device__ __forceinline__ void store_gate_up(const float (&acc)[128], Store& ts, int n_base, Out gate, Out up,
                                               Out act) {
-  if (MOK_GEMM_EPILOGUE_PROBE == 2) return;
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
     put_chunk(ts, ch, [&](int i) { return acc[i]; });
@@ -244,7 +253,6 @@ __device__ __forceinline__ void store_gate_up(const float (&acc)[128], Store& ts
 // Plain epilogue: bf16(acc) into 256 columns starting at n_base.
 template <typename Store, typename Out>
 __device__ __forceinline__ void store_plain(const float (&acc)[128], Store& ts, int n_base, Out out) {
-  if (MOK_GEMM_EPILOGUE_PROBE == 2) return;
 #pragma unroll
   for (int ch = 0; ch < 4; ++ch) {
     put_chunk(ts, ch, [&](int i) { return acc[i]; });

@@ -66,23 +66,16 @@ using tile::kBChunk;
 using tile::kBK;
 using tile::kBM;
 using tile::kConsumerWarps;
-using tile::kBarrierBytes;
-using tile::kGemmSmemBytes;
-using tile::kSmemBytes;
-using tile::kStgWarpBytes;
 using tile::kStageBytes;
 using tile::kStages;
-using tile::kTmaStgOffset;
-using tile::kTmaStgWarpBytes;
 using tile::kThreads;
 
 // The TMA-store epilogue (tile::TmaTileStore) is compiled in only with
 // -DMOK_GEMM_TMA_STORE=1: it has not run on a GPU yet (the device was lost
 // before its first A/B run, tests/cuda/ab_tma_store.sh). Without it the
 // kernel is the validated one: register-to-global stores (tile::TileStore),
-// kSmemBytes of shared memory.
-constexpr bool kTmaStore = tile::kTmaStore;
-constexpr int kKernelSmemBytes = kTmaStore ? kGemmSmemBytes : kSmemBytes;
+// tile::kSmemBytes of shared memory.
+constexpr int kKernelSmemBytes = tile::kStagedGemmSmemBytes;
 
 struct KParams {
   int m_rows;
@@ -201,12 +194,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int cw = wg - 1;
     const int warp = (threadIdx.x / 32) & 3;
     const int lane = threadIdx.x & 31;
+    uint8_t* stg = smem + tile::kStagedStgOffset + (cw * 4 + warp) * tile::kStagedStgWarpBytes;
 #if MOK_GEMM_TMA_STORE
-    uint8_t* stg = smem + kTmaStgOffset + (cw * 4 + warp) * kTmaStgWarpBytes;
     const bool tma = p.tma_store != 0;
     tile::TmaTileStore tts{stg, lane, 0, {false, false}, 0u};
-#else
-    uint8_t* stg = smem + kStages * kStageBytes + kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes;
 #endif
     // The partner's empty barriers, mapped once (one register for the loop).
     const uint32_t peer_empty = kCluster > 1 ? ptx::map_to_rank(ptx::smem_u32(empty_bar), crank ^ 1) : 0u;
@@ -383,7 +374,7 @@ int grouped_gemm_resident_clusters(GemmEpilogue epi, int cluster, int num_sms) {
   return fused ? resident_clusters<true, 1>(num_sms) : resident_clusters<false, 1>(num_sms);
 }
 
-// In a kTmaStore build the epilogue stores through TMA (tile::TmaTileStore)
+// In a -DMOK_GEMM_TMA_STORE=1 build the epilogue stores through TMA (tile::TmaTileStore)
 // unless MOK_CUDA_GEMM_TMA_STORE=0 (register-to-global stores: an A/B in one
 // binary).
 int gemm_tma_store() {

@@ -30,16 +30,10 @@ using tile::kBK;
 using tile::kBM;
 using tile::kBN;
 using tile::kConsumerWarps;
-using tile::kSmemBytes;
 using tile::kStageBytes;
 using tile::kStages;
 using tile::kStgPitch;
-using tile::kStgWarpBytes;
-using tile::kTmaStgOffset;
-using tile::kTmaStgWarpBytes;
-using tile::kTmaStore;
-// kTmaStore builds: the larger layout of the TMA-store epilogue (gemm_tile.cuh).
-constexpr int kKernelSmemBytes = kTmaStore ? tile::kGemmSmemBytes : kSmemBytes;
+constexpr int kKernelSmemBytes = tile::kStagedGemmSmemBytes;
 using tile::kThreads;
 using tile::pack_bf16x2;
 constexpr int kChunk = tile::kBChunk;  // 8 KB: one MN-major 64 x 64 box
@@ -195,12 +189,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
     const int cw = wg - 1;
     const int warp = (threadIdx.x / 32) & 3;
     const int lane = threadIdx.x & 31;
+    uint8_t* stg = smem + tile::kStagedStgOffset + (cw * 4 + warp) * tile::kStagedStgWarpBytes;
 #if MOK_GEMM_TMA_STORE
-    uint8_t* stg = smem + kTmaStgOffset + (cw * 4 + warp) * kTmaStgWarpBytes;
     const bool tma = kMode == kSum2 && p.tma_store != 0;
     tile::TmaTileStore tts{stg, lane, 0, {false, false}, 0u};
-#else
-    uint8_t* stg = smem + kStages * kStageBytes + tile::kBarrierBytes + (cw * 4 + warp) * kStgWarpBytes;
 #endif
     float acc[128];
     uint32_t it = 0;
@@ -513,7 +505,7 @@ const char* launch_dgrad_sum2(const DgradArgs& a, int num_sms, cudaStream_t stre
   BParams p;
   if (const char* e = dgrad_common(a, true, maps, p)) return e[0] == 'e' ? nullptr : e;
   p.row_dst = a.row_dst;
-  // TMA-store epilogue (kTmaStore builds): boxes of 64 columns x 16 rows of out0.
+  // TMA-store epilogue (-DMOK_GEMM_TMA_STORE=1 builds): boxes of 64 columns x 16 rows of out0.
 #if MOK_GEMM_TMA_STORE
   p.tma_store = a.row_dst == nullptr && gemm_tma_store() ? 1 : 0;
   if (p.tma_store && !make_map_2d(&maps.m[4], a.out0, a.m_rows, a.n, 64, 16))

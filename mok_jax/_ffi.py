@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _peer_ipc
 from .config import MegakernelConfig
 
 # The order of forward_workspace_bytes' knob arguments after (T, H, F, E, K, Fs).
@@ -195,13 +196,11 @@ def _peer_cuda_dims(inputs, ranks, round_rows):
 def _peer_cuda_setup(devices, dims, timeout_ms):
     """Several processes (or MOK_JAX_PEER_STAGING=1): stage and map the
     group's devices (_peer_ipc.py)."""
-    from . import _peer_ipc
     if _peer_ipc.active():
         _peer_ipc.ensure(devices, dims, timeout_ms)
 
 
 def _peer_workspace(size_fn, dims):
-    from . import _peer_ipc
     # Staged calls keep their return rows in the IPC staging, not here.
     nbytes = size_fn(*dims, _peer_ipc.active())
     if nbytes == 0:

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from . import _ffi
+from . import _ffi, _peer_ipc
 from . import _validate as V
 from .config import check_megakernel
 from .experts import empty_shared, xla_flat
@@ -86,7 +86,7 @@ def check_dispatch(dispatch):
     return dispatch
 
 
-def _resolve_dispatch(dispatch, impl, mesh, dims=None):
+def _resolve_dispatch(dispatch, impl, mesh, dims):
     """The dispatch a mesh call runs. "auto": "peer" when _auto_picks_peer
     says the kernels can pull over the mesh's GPUs, else "collective".
     "peer" needs a C++ kernel: CPU devices of this process, or GPUs of any
@@ -121,11 +121,8 @@ def _auto_picks_peer(impl, mesh, dims):
     (_peer_ipc.same_host). CPU devices take "collective": "peer" on CPU is a
     test of the protocol, not a faster path."""
     devices = np.asarray(mesh.devices).reshape(-1)
-    if impl != "cuda" or dims is None or dims[6] < 2:
+    if impl != "cuda" or dims[6] < 2 or any(d.platform != "gpu" for d in devices):
         return False
-    if any(d.platform != "gpu" for d in devices):
-        return False
-    from . import _peer_ipc
     mod = _ffi._mok_cuda
     if mod.peer_forward_workspace_bytes(*dims, 0, False) == 0:
         return False
@@ -142,7 +139,6 @@ def _peer_devices(mesh, axis):
     ``devices`` attribute (each device finds its group and rank in it). One
     process: device ordinals. Several (or the staged path forced on GPUs):
     global device ids, which the CUDA runtime maps (_peer_ipc.py)."""
-    from . import _peer_ipc
     grid = np.moveaxis(np.asarray(mesh.devices), list(mesh.axis_names).index(axis), -1)
     if jax.process_count() > 1 or (grid.flat[0].platform == "gpu" and _peer_ipc.active()):
         return tuple(int(d.id) for d in grid.reshape(-1))
