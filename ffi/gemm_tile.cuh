@@ -24,8 +24,8 @@
 #define MOK_GEMM_EPILOGUE_PROBE 0
 #endif
 
-// The TMA-store epilogue (TmaTileStore) is compiled into the staged GEMMs
-// (gemm_wgmma.cu; the backward's plain dgrad in gemm_wgmma_bwd.cu) only with
+// The TMA-store epilogues (TmaTileStore here, swiglu_bwd::epilogue_tma) are
+// compiled into the staged GEMMs (gemm_wgmma.cu, gemm_wgmma_bwd.cu) only with
 // -DMOK_GEMM_TMA_STORE=1: not yet run on a GPU.
 #ifndef MOK_GEMM_TMA_STORE
 #define MOK_GEMM_TMA_STORE 0
@@ -191,6 +191,7 @@ struct TmaTileStore {
   int wrow0;     // first row of this warp in the current tile
   bool keep[2];
   uint32_t slot;
+  int z = -1;    // >= 0: the map is 3-D [groups, rows, cols] and this is the group
 
   // Row r = lane/4 + 8h holds bytes [16 gg, 16 gg + 16) of its 128 at 16-byte
   // chunk gg ^ (r % 8) (the 128-byte swizzle): the 8 rows of one store
@@ -204,7 +205,10 @@ struct TmaTileStore {
     ptx::fence_proxy_async_shared();  // this lane's writes, visible to the copy engine
     __syncwarp();
     if (lane == 0) {
-      ptx::tma_store_2d(map, buf + slot * kTmaStgBufBytes, col0, wrow0);
+      if (z >= 0)
+        ptx::tma_store_3d(map, buf + slot * kTmaStgBufBytes, col0, wrow0, z);
+      else
+        ptx::tma_store_2d(map, buf + slot * kTmaStgBufBytes, col0, wrow0);
       ptx::bulk_commit_group();
       ptx::bulk_wait_group_read<1>();  // the other buffer, written next, has been read out
     }

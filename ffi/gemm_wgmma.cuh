@@ -64,7 +64,14 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& args, i
 // weights map [groups, k, n] row-major, box 64 (N) x 64 (K) x 1.
 // Return false when the driver's encoder is unavailable or rejects the map.
 PFN_cuTensorMapEncodeTiled_v12000 get_encoder();
-bool make_map_2d(CUtensorMap* m, const void* ptr, int64_t rows, int64_t cols, uint32_t box_cols, uint32_t box_rows);
+// Row-major bf16 [rows, cols], 128-byte swizzle unless `swizzle` says otherwise
+// (the backward's 32-column TMA-store boxes use the 64-byte one).
+bool make_map_2d(CUtensorMap* m, const void* ptr, int64_t rows, int64_t cols, uint32_t box_cols, uint32_t box_rows,
+                 CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B);
+// Row-major bf16 [groups, rows, cols] (a stack of matrices), 128-byte swizzle,
+// box {box_cols, box_rows, 1}: a box never crosses into the next matrix.
+bool make_map_3d_rows(CUtensorMap* m, const void* ptr, int64_t groups, int64_t rows, int64_t cols, uint32_t box_cols,
+                      uint32_t box_rows);
 bool make_map_a(CUtensorMap* m, const void* ptr, int64_t rows, int64_t k);
 bool make_map_b(CUtensorMap* m, const void* ptr, int64_t groups, int64_t k, int64_t n);
 
@@ -72,7 +79,9 @@ bool make_map_b(CUtensorMap* m, const void* ptr, int64_t groups, int64_t k, int6
 // 8, or MOK_CUDA_GEMM_GROUP_M (read once) for measurements.
 int gemm_group_m();
 // In a -DMOK_GEMM_TMA_STORE=1 build: 1 unless MOK_CUDA_GEMM_TMA_STORE=0 (the
-// register-to-global stores, for an A/B in one binary).
+// register-to-global stores, for an A/B in one binary; the backward's three
+// epilogues can also be picked one by one, MOK_CUDA_BWD_TMA_STORE in
+// gemm_wgmma_bwd.cu).
 int gemm_tma_store();
 
 // Dynamic shared memory one GEMM CTA uses (for reports).

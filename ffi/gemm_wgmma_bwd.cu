@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -20,6 +21,7 @@
 #include "cuda_ptx.cuh"
 #include "gemm_tile.cuh"
 #include "gemm_wgmma.cuh"
+#include "swiglu_bwd_epilogue.cuh"
 
 namespace mok::cuda {
 namespace {
@@ -44,6 +46,11 @@ struct Maps {
   // kSwiGLU: [0] A, [1] B.  kSum2: [0] A0, [1] B0, [2] A1, [3] B1.
   // kWgrad: job j: [2j] A, [2j+1] B.
   CUtensorMap m[6];
+#if MOK_GEMM_TMA_STORE
+  // TMA-store epilogue: kSum2 out[0]; kWgrad out[j] ([groups, m, n], job j);
+  // kSwiGLU out[0..2] = dg, du, w*a (32-column boxes, 64-byte swizzle).
+  CUtensorMap out[3];
+#endif
 };
 
 struct JobP {
@@ -66,7 +73,7 @@ struct BParams {
   const uint64_t* row_dst;  // kSum2: per-row destinations, or nullptr
   float* part;
 #if MOK_GEMM_TMA_STORE
-  int tma_store;  // kSum2: out0 through TMA stores (maps.m[4])
+  int tma_store;  // the epilogue stores through TMA (maps.out; not with row_dst)
 #endif
   // wgrad
   JobP job[3];
@@ -77,8 +84,6 @@ struct BParams {
   int units;
   int group_m;  // rasterisation band (tile::raster)
 };
-
-__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // One work unit, decoded identically by producer and consumers.
 struct Unit {
@@ -130,7 +135,12 @@ __device__ __forceinline__ Unit decode(const BParams& p, int u) {
   return x;
 }
 
-template <int kMode>
+// kTma (only in -DMOK_GEMM_TMA_STORE=1 builds): the epilogue stores through
+// TMA. A template argument, not a runtime branch, so each kernel holds one
+// epilogue and ptxas allocates its 168 registers for it alone (the first
+// SwiGLU TMA epilogue, with run-time region indices, spilled 1.2 KB per
+// thread beside the other one).
+template <int kMode, bool kTma>
 __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_constant__ Maps maps, const BParams p) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -191,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
     const int lane = threadIdx.x & 31;
     uint8_t* stg = smem + tile::kStagedStgOffset + (cw * 4 + warp) * tile::kStagedStgWarpBytes;
 #if MOK_GEMM_TMA_STORE
-    const bool tma = kMode == kSum2 && p.tma_store != 0;
+    constexpr bool tma = kTma;
     tile::TmaTileStore tts{stg, lane, 0, {false, false}, 0u};
 #endif
     float acc[128];
@@ -285,6 +295,13 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
       };
       if (kMode == kSwiGLU) {
         float dot[2] = {0.f, 0.f};
+#if MOK_GEMM_TMA_STORE
+        if (tma) {
+          swiglu_bwd::epilogue_tma(acc, stg, lane, wrow0, x.m, x.n, n_base, keep, wrow, p.gate_pre,
+                                   p.up_pre, &maps.out[0], &maps.out[1], &maps.out[2], dot);
+        } else
+#endif
+        {
         // 8 chunks of 32 columns. The warp's 16 x 32 gate and up values of a chunk
         // arrive through the staging buffer: coalesced 16-byte loads (gate -> staging
         // cols [0, 32), up -> [32, 64), the flush pattern), issued one chunk ahead
@@ -329,22 +346,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
             for (int h = 0; h < 2; ++h) {
               const int i = (ch * 4 + gg) * 4 + h * 2;
               const bool live = keep[h] && col < x.n;
-              const float2 gf = __bfloat1622float2(get(gg, h));
-              const float2 uf = __bfloat1622float2(get(4 + gg, h));
-              const float g2[2] = {gf.x, gf.y}, u2[2] = {uf.x, uf.y};
               float dg[2], du[2], aw[2];
-#pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const float g = g2[c], uu = u2[c], gd = acc[i + c];
-                const float sg = 1.0f / (1.0f + __expf(-g));
-                const float silu = g * sg;
-                const float a = bf16_round(silu * uu);
-                dot[h] += live ? gd * a : 0.0f;
-                const float da = wrow[h] * gd;
-                du[c] = da * silu;
-                dg[c] = da * uu * sg * (1.0f + g * (1.0f - sg));
-                aw[c] = wrow[h] * a;
-              }
+              swiglu_bwd::pair(__bfloat1622float2(get(gg, h)), __bfloat1622float2(get(4 + gg, h)), &acc[i],
+                               wrow[h], live, dot[h], dg, du, aw);
               put(gg, h, live ? pack_bf16x2(dg[0], dg[1]) : 0u);
               put(4 + gg, h, live ? pack_bf16x2(du[0], du[1]) : 0u);
               pa[gg][h] = live ? pack_bf16x2(aw[0], aw[1]) : 0u;
@@ -378,6 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
           }
           __syncwarp();
         }
+        }
         // Quad reduction (fixed shuffle order): lanes 4q..4q+3 hold one row.
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -392,7 +397,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_gemm_kernel(const __grid_cons
       } else if (tma) {
         tts.wrow0 = wrow0;
         tts.keep[0] = keep[0], tts.keep[1] = keep[1];
-        tile::store_plain(acc, tts, n_base, &maps.m[4]);
+        tts.z = kMode == kWgrad ? x.grp : -1;  // wgrad: out[job] is the stack [groups, m, n]
+        tile::store_plain(acc, tts, n_base, &maps.out[kMode == kWgrad ? x.job : 0]);
 #endif
       } else {
 #pragma unroll
@@ -431,9 +437,9 @@ bool map_bk(CUtensorMap* m, const void* ptr, int64_t groups, int64_t n, int64_t 
 
 constexpr int64_t kMaxInt = (int64_t(1) << 31) - 1024;
 
-template <int kMode>
-const char* launch(const Maps& maps, BParams p, int num_sms, cudaStream_t stream) {
-  auto* kern = bwd_gemm_kernel<kMode>;
+template <int kMode, bool kTma>
+const char* launch_as(const Maps& maps, BParams p, int num_sms, cudaStream_t stream) {
+  auto* kern = bwd_gemm_kernel<kMode, kTma>;
   static std::atomic<int> attr_done{0};
   if (attr_done.load() == 0) {
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kKernelSmemBytes) != cudaSuccess)
@@ -443,9 +449,30 @@ const char* launch(const Maps& maps, BParams p, int num_sms, cudaStream_t stream
   if (p.units <= 0) return nullptr;
   p.group_m = gemm_group_m();
   const int grid = std::max(1, std::min(p.units, num_sms));
-  bwd_gemm_kernel<kMode><<<grid, kThreads, kKernelSmemBytes, stream>>>(maps, p);
+  bwd_gemm_kernel<kMode, kTma><<<grid, kThreads, kKernelSmemBytes, stream>>>(maps, p);
   if (cudaGetLastError() != cudaSuccess) return "mok cuda bwd gemm: kernel launch failed";
   return nullptr;
+}
+
+template <int kMode>
+const char* launch(const Maps& maps, const BParams& p, int num_sms, cudaStream_t stream) {
+#if MOK_GEMM_TMA_STORE
+  if (p.tma_store) return launch_as<kMode, true>(maps, p, num_sms, stream);
+#endif
+  return launch_as<kMode, false>(maps, p, num_sms, stream);
+}
+
+// In a -DMOK_GEMM_TMA_STORE=1 build (gemm_tma_store() on): which backward
+// epilogues store through TMA, bits 1 = the d_x dgrad (kSum2), 2 = the weight
+// gradients, 4 = the SwiGLU-backward dgrad; all unless MOK_CUDA_BWD_TMA_STORE
+// names a subset (to tell the three apart in an A/B).
+[[maybe_unused]] bool bwd_tma_store(int mode) {
+  static const int mask = [] {
+    const char* e = std::getenv("MOK_CUDA_BWD_TMA_STORE");
+    return e != nullptr ? std::atoi(e) & 7 : 7;
+  }();
+  const int bit = mode == kSum2 ? 1 : (mode == kWgrad ? 2 : 4);
+  return gemm_tma_store() != 0 && (mask & bit) != 0;
 }
 
 const char* dgrad_common(const DgradArgs& a, bool sum2, Maps& maps, BParams& p) {
@@ -497,6 +524,15 @@ const char* launch_dgrad_swiglu_bwd(const DgradArgs& a, int num_sms, cudaStream_
   p.out1 = static_cast<__nv_bfloat16*>(a.out1);
   p.out2 = static_cast<__nv_bfloat16*>(a.out2);
   p.part = a.part;
+#if MOK_GEMM_TMA_STORE
+  p.tma_store = bwd_tma_store(kSwiGLU) ? 1 : 0;
+  if (p.tma_store) {
+    void* outs[3] = {a.out0, a.out1, a.out2};
+    for (int j = 0; j < 3; ++j)
+      if (!make_map_2d(&maps.out[j], outs[j], a.m_rows, a.n, 32, 16, CU_TENSOR_MAP_SWIZZLE_64B))
+        return "mok cuda bwd gemm: tensor map (output) encode failed";
+  }
+#endif
   return launch<kSwiGLU>(maps, p, num_sms, stream);
 }
 
@@ -507,8 +543,8 @@ const char* launch_dgrad_sum2(const DgradArgs& a, int num_sms, cudaStream_t stre
   p.row_dst = a.row_dst;
   // TMA-store epilogue (-DMOK_GEMM_TMA_STORE=1 builds): boxes of 64 columns x 16 rows of out0.
 #if MOK_GEMM_TMA_STORE
-  p.tma_store = a.row_dst == nullptr && gemm_tma_store() ? 1 : 0;
-  if (p.tma_store && !make_map_2d(&maps.m[4], a.out0, a.m_rows, a.n, 64, 16))
+  p.tma_store = a.row_dst == nullptr && bwd_tma_store(kSum2) ? 1 : 0;
+  if (p.tma_store && !make_map_2d(&maps.out[0], a.out0, a.m_rows, a.n, 64, 16))
     return "mok cuda bwd gemm: tensor map (output) encode failed";
 #endif
   return launch<kSum2>(maps, p, num_sms, stream);
@@ -540,7 +576,16 @@ const char* launch_wgrad(const WgradArgs& a, int num_sms, cudaStream_t stream) {
     q.out = static_cast<__nv_bfloat16*>(jb.out);
     units += a.groups * q.m_tiles * q.n_tiles;
     if (units > kMaxInt) return "mok cuda wgrad: too many tiles";
+#if MOK_GEMM_TMA_STORE
+    // TMA-store epilogue: boxes of 64 columns x 16 rows of out[g], clipped at
+    // each matrix's last row.
+    if (bwd_tma_store(kWgrad) && !make_map_3d_rows(&maps.out[j], jb.out, a.groups, jb.m, jb.n, 64, 16))
+      return "mok cuda wgrad: tensor map (output) encode failed";
+#endif
   }
+#if MOK_GEMM_TMA_STORE
+  p.tma_store = bwd_tma_store(kWgrad) ? 1 : 0;
+#endif
   p.jobs = a.jobs;
   p.rows = static_cast<int>(a.rows);
   p.offsets = a.offsets;

@@ -6,8 +6,10 @@
 #   fwd      staged forward: SASS counts, correctness, A/B at the 4 shapes
 #   memcheck compute-sanitizer memcheck of the staged forward, small case
 #   pytest   Python build (default flags: no TMA store) + GPU pytest subset
-#   bwd      backward: epilogue probe 0/1, then the TMA-store dgrad
-#            (d_x rows) epilogue: correctness and A/B at shape 1
+#   bwd      backward: epilogue probe 0/1, then the TMA-store epilogues
+#            (d_x dgrad, weight gradients, SwiGLU-backward dgrad): correctness
+#            of all three and of each alone (MOK_CUDA_BWD_TMA_STORE=1/2/4),
+#            memcheck of a small case, A/B at shape 1 (all three, then each)
 # Usage (GPU host, repo root): STEPS="fwd memcheck" bash tests/cuda/ab_tma_store.sh
 set -uo pipefail
 L="${OUT:-/tmp/ab_out}"; mkdir -p "$L"
@@ -58,11 +60,15 @@ if has bwd; then
     timeout 90 /tmp/ab_bwd$v/backward_standalone --timing --iters 20 > "$L/bwd$v.log" 2>&1
     grep -E "backward median|prep\+gather" "$L/bwd$v.log" | cut -c1-200
   done
-  timeout 150 /tmp/ab_bwd_tma/backward_standalone --correctness > "$L/bwd_corr.log" 2>&1; echo "bwd corr rc $?"
-  grep -E "FAIL|RESULT" "$L/bwd_corr.log" | head -5
-  for v in 1 0 1 0; do
-    echo "== backward tma_store=$v"
-    MOK_CUDA_GEMM_TMA_STORE=$v timeout 90 /tmp/ab_bwd_tma/backward_standalone --timing --iters 20 > "$L/bwd_t.log" 2>&1
+  for m in 7 1 2 4; do
+    MOK_CUDA_BWD_TMA_STORE=$m timeout 150 /tmp/ab_bwd_tma/backward_standalone --correctness > "$L/bwd_corr$m.log" 2>&1
+    echo "bwd corr (epilogues $m) rc $?"; grep -E "FAIL|RESULT" "$L/bwd_corr$m.log" | head -5
+  done
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 /tmp/ab_bwd_tma/backward_standalone --case odd_dims > "$L/bwd_memcheck.log" 2>&1
+  echo "bwd memcheck rc $?"; grep -E "ERROR SUMMARY" "$L/bwd_memcheck.log"
+  for v in 7 0 7 0 1 2 4; do
+    echo "== backward tma epilogues=$v"
+    MOK_CUDA_BWD_TMA_STORE=$v timeout 90 /tmp/ab_bwd_tma/backward_standalone --timing --iters 20 > "$L/bwd_t.log" 2>&1
     grep -E "backward median|prep\+gather" "$L/bwd_t.log" | cut -c1-200
   done
 fi
