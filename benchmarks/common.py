@@ -33,14 +33,23 @@ def useful_flops(T, H, F, K, pass_="fwd"):
     return 6 * T * K * H * F * PASS_FLOP_FACTOR[pass_]
 
 
-def median_ms(fn, warmup, iters):
+def median_ms(fn, warmup, iters, pipeline=1):
+    """Median wall-clock ms per call of a JAX callable, blocking on its result.
+
+    pipeline = 1: each timed sample is one call, then a block (the per-call
+    latency, with the host's dispatch and the wake-up of the block exposed).
+    pipeline = n > 1: a sample is n calls dispatched back to back, blocked on
+    the last, divided by n (the steady state of a training loop, where JAX's
+    asynchronous dispatch hides the host behind the device)."""
     for _ in range(warmup):
-        fn()
+        jax.block_until_ready(fn())
     ts = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
+        for _ in range(pipeline):
+            out = fn()
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / pipeline)
     return 1e3 * float(np.median(ts))
 
 
@@ -60,12 +69,12 @@ def weights(T, H, F, E, dtype=jnp.bfloat16, seed=0):
     return x, router, wg, wu, wd
 
 
-def bench_dense_jax(warmup, iters, n=8192, dtype=jnp.bfloat16):
+def bench_dense_jax(warmup, iters, n=8192, dtype=jnp.bfloat16, pipeline=1):
     """TFLOP/s of a dense n^3 matmul through JAX (the ceiling)."""
     a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
     b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32).astype(dtype)
     f = jax.jit(lambda a, b: a @ b)
-    ms = median_ms(lambda: jax.block_until_ready(f(a, b)), warmup, iters)
+    ms = median_ms(lambda: f(a, b), warmup, iters, pipeline)
     return 2 * n ** 3 / ms / 1e9
 
 
@@ -105,8 +114,9 @@ def torch_moe_forward(x, ids, w, wg, wu, wd):
     return (out.view(T, K, -1).float() * w.view(T, K, 1)).sum(1).to(torch.bfloat16)
 
 
-def torch_timed(fn, warmup, iters):
-    """Median ms of fn() with CUDA events."""
+def torch_timed(fn, warmup, iters, pipeline=1):
+    """Median ms of fn() with CUDA events; pipeline > 1: n calls between the
+    events, divided by n (as median_ms)."""
     import torch
     for _ in range(warmup):
         fn()
@@ -115,18 +125,19 @@ def torch_timed(fn, warmup, iters):
     for _ in range(iters):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        for _ in range(pipeline):
+            fn()
         e.record()
         torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
+        ts.append(s.elapsed_time(e) / pipeline)
     return float(np.median(ts))
 
 
-def torch_dense_tflops(warmup, iters, n=8192):
+def torch_dense_tflops(warmup, iters, n=8192, pipeline=1):
     import torch
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n ** 3 / torch_timed(lambda: a @ b, warmup, iters) / 1e9
+    return 2 * n ** 3 / torch_timed(lambda: a @ b, warmup, iters, pipeline) / 1e9
 
 
 def git_commit():

@@ -207,21 +207,22 @@ def train_step(f, probe):
 
 
 def jax_pass_fn(impl, pass_, data, probe, ep=1):
-    """A zero-argument callable running one pass, blocking until done."""
+    """A zero-argument callable dispatching one pass (not blocking: median_ms
+    blocks on its result)."""
     x, ids, w, wg, wu, wd = data
     call = experts_call(impl, ep)
     f = lambda x, w, wg, wu, wd: call(x, ids, w, wg, wu, wd)
     diff = (x, w, wg, wu, wd)
     if pass_ == "fwd":
         g = jax.jit(f)
-        return lambda: jax.block_until_ready(g(*diff))
+        return lambda: g(*diff)
     if pass_ == "fwd+bwd":
         g = jax.jit(train_step(f, probe))
-        return lambda: jax.block_until_ready(g(*diff))
+        return lambda: g(*diff)
     # bwd alone: the forward's residuals are computed once, outside the timing
     _, vjp = jax.jit(lambda *a: jax.vjp(f, *a))(*diff)
     g = jax.jit(lambda vjp, dy: vjp(dy))
-    return lambda: jax.block_until_ready(g(vjp, probe))
+    return lambda: g(vjp, probe)
 
 
 def jax_memory(impl, data, probe, ep=1):
@@ -246,7 +247,7 @@ def torch_memory(data, probe):
     return saved, peak
 
 
-def torch_pass_ms(pass_, data, probe, warmup, iters):
+def torch_pass_ms(pass_, data, probe, warmup, iters, pipeline=1):
     import torch
     x, ids, w, wg, wu, wd = torch_problem(data)
     dy = torch.from_dlpack(probe)
@@ -254,12 +255,12 @@ def torch_pass_ms(pass_, data, probe, warmup, iters):
     fwd = lambda: torch_moe_forward(leaves[0], ids, *leaves[1:])
     if pass_ == "fwd":
         with torch.no_grad():
-            return torch_timed(fwd, warmup, iters)
+            return torch_timed(fwd, warmup, iters, pipeline)
     if pass_ == "fwd+bwd":
-        return torch_timed(lambda: torch.autograd.grad(fwd(), leaves, dy), warmup, iters)
+        return torch_timed(lambda: torch.autograd.grad(fwd(), leaves, dy), warmup, iters, pipeline)
     y = fwd()
     return torch_timed(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True),
-                       warmup, iters)
+                       warmup, iters, pipeline)
 
 
 def rel_l2(a, b):
@@ -308,19 +309,20 @@ def run(args):
     progress = Progress(total)
     dev = jax.devices()[0]
     n_dense = 8192 if backend != "cpu" else 1024
-    dense = bench_dense_jax(1, max(3, args.iters // 2), n=n_dense, dtype=dtype)
+    dense = bench_dense_jax(1, max(3, args.iters // 2), n=n_dense, dtype=dtype, pipeline=args.pipeline)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
             "commit": git_commit(), "device": str(dev), "device_kind": dev.device_kind,
             "backend": backend, "dtype": dtype.name, "jax": jax.__version__,
             "mok_jax": mok_jax.__version__, "host": platform.node(),
             "cpu_count": os.cpu_count(), "dense_tflops": {"jax": dense}, "dense_n": n_dense,
             "flops": "useful FLOPs: fwd 6*T*k*H*F, bwd 2x (12*T*k*H*F), fwd+bwd 3x (18*T*k*H*F)",
-            "iters": args.iters, "warmup": args.warmup, "zipf_s": args.zipf_s, "ep": args.ep,
+            "iters": args.iters, "warmup": args.warmup, "pipeline": args.pipeline,
+            "zipf_s": args.zipf_s, "ep": args.ep,
             "skipped_impls": skipped, "command": "python " + " ".join(sys.argv)}
     if "torch" in runnable:
         import torch
         meta["torch"] = torch.__version__
-        meta["dense_tflops"]["torch"] = torch_dense_tflops(1, max(3, args.iters // 2))
+        meta["dense_tflops"]["torch"] = torch_dense_tflops(1, max(3, args.iters // 2), pipeline=args.pipeline)
     print(f"device {dev.device_kind} ({backend}), dtype {dtype.name}, dense {n_dense}^3 matmul: "
           f"{dense:.3f} TFLOP/s", flush=True)
 
@@ -343,11 +345,11 @@ def run(args):
                 iters = args.xla_iters if impl == "xla" else args.iters
                 try:
                     if impl == "torch":
-                        ms = torch_pass_ms(pass_, data, probe, args.warmup, iters)
+                        ms = torch_pass_ms(pass_, data, probe, args.warmup, iters, args.pipeline)
                     else:
                         d, pr = place(impl, args.ep, data, probe)
                         fn = jax_pass_fn(impl, pass_, d, pr, args.ep)
-                        ms = median_ms(fn, args.warmup, iters)
+                        ms = median_ms(fn, args.warmup, iters, args.pipeline)
                         row["peak_bytes"] = jax_peak_bytes()
                         if pass_ == "fwd" and kind == "router":
                             y = jax.jit(experts_call(impl, args.ep))(*d)
@@ -511,6 +513,10 @@ def main(argv=None):
                    help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--pipeline", type=int, default=1,
+                   help="calls per timed sample, dispatched back to back and divided out "
+                        "(1: per-call latency, each call blocked on; n > 1: the steady "
+                        "state of a training loop); the same for torch")
     p.add_argument("--xla-iters", type=int, default=3, help="the pure-JAX reference is slow on GPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ep", type=int, default=1,
@@ -526,6 +532,8 @@ def main(argv=None):
                    metavar="PATH", help="append the main table's rows to PATH "
                    "(default: benchmarks/RESULTS.md)")
     args = p.parse_args(argv)
+    if args.pipeline < 1 or args.iters < 1:
+        p.error("--pipeline and --iters must be at least 1")
     tag = args.tag or ("cpu" if jax.default_backend() == "cpu" else "gpu")
     result = run(args)
     os.makedirs(args.out, exist_ok=True)

@@ -43,18 +43,40 @@ def test_routing_generator_controls_the_load():
         run.parse_shapes("64x32x48x4x9")
 
 
+def test_median_ms_pipelines_calls_and_blocks_on_the_last(monkeypatch):
+    """--pipeline n: each sample dispatches n calls back to back, blocks once
+    (on the last call's result) and is divided by n."""
+    run = _load_run()
+    common = sys.modules[run.median_ms.__module__]
+    calls, blocked = [], []
+    clock = iter(range(0, 1000, 6))  # each sample spans 6 s of the fake clock
+    monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(common.jax, "block_until_ready", lambda out: blocked.append(out) or out)
+
+    def fn():
+        calls.append(len(calls))
+        return len(calls) - 1
+
+    ms = run.median_ms(fn, warmup=1, iters=2, pipeline=3)
+    assert len(calls) == 1 + 2 * 3
+    assert blocked == [0, 3, 6], "one block per warm-up call and per sample, on its last call"
+    assert ms == pytest.approx(1e3 * 6 / 3)
+    with pytest.raises(SystemExit):
+        run.main(["--pipeline", "0"])
+
+
 def test_tiny_cpu_run_writes_json_table_and_plots(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, RUN, "--shapes", "96x16x32x4x2", "--impls", "cpu,xla",
            "--passes", "fwd,bwd,fwd+bwd", "--sweep", "uniform,zipf,all-to-one",
            "--iters", "2", "--warmup", "1", "--xla-iters", "2", "--out", str(tmp_path),
-           "--tag", "test", "--record", str(tmp_path / "RESULTS.md")]
+           "--tag", "test", "--record", str(tmp_path / "RESULTS.md"), "--pipeline", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "12/24" in proc.stdout, "progress lines"  # (1 shape + 3 sweeps) x 2 impls x 3 passes
     data = json.loads((tmp_path / "test_latest.json").read_text())
     meta, rows = data["meta"], data["rows"]
-    assert meta["backend"] == "cpu" and meta["dense_tflops"]["jax"] > 0
+    assert meta["backend"] == "cpu" and meta["dense_tflops"]["jax"] > 0 and meta["pipeline"] == 2
     assert len(rows) == 24
     for r in rows:
         assert "error" not in r, r
