@@ -148,18 +148,29 @@ inline std::string decode_inputs(const Inputs& in, Problem& prob) {
   return {};
 }
 
-inline std::string check_residuals(const Problem& p, const Residuals& r) {
+// Whether a forward's four pre-activation results are dropped: a forward
+// that keeps no residuals (nothing differentiates it) gets them with 0 rows.
+inline bool pre_activations_dropped(const Problem& p, const Residuals& r) {
+  const auto d = r.gate_pre.dimensions();
+  return d.size() == 2 && d[0] == 0 && p.row_capacity() > 0;
+}
+
+// allow_dropped: the forward may get its pre-activation results with 0 rows
+// (all four together); the backward needs them whole.
+inline std::string check_residuals(const Problem& p, const Residuals& r, bool allow_dropped = false) {
   using detail::expect;
   const ffi::DataType dt = p.dtype == DType::kBF16 ? ffi::DataType::BF16 : ffi::DataType::F32;
   const int64_t R = p.row_capacity();
+  const bool dropped = allow_dropped && pre_activations_dropped(p, r);
+  const int64_t pre_rows = dropped ? 0 : R, shared_rows = dropped ? 0 : p.tokens;
   for (const std::string& err : {
            expect("expert_offsets", r.offsets, {p.experts + 1}, ffi::DataType::S32),
            expect("row_pair", r.row_pair, {R}, ffi::DataType::S32),
            expect("pair_row", r.pair_row, {p.pairs()}, ffi::DataType::S32),
-           expect("gate_pre", r.gate_pre, {R, p.ffn}, dt),
-           expect("up_pre", r.up_pre, {R, p.ffn}, dt),
-           expect("shared_gate_pre", r.sgate_pre, {p.tokens, p.shared_ffn}, dt),
-           expect("shared_up_pre", r.sup_pre, {p.tokens, p.shared_ffn}, dt),
+           expect("gate_pre", r.gate_pre, {pre_rows, p.ffn}, dt),
+           expect("up_pre", r.up_pre, {pre_rows, p.ffn}, dt),
+           expect("shared_gate_pre", r.sgate_pre, {shared_rows, p.shared_ffn}, dt),
+           expect("shared_up_pre", r.sup_pre, {shared_rows, p.shared_ffn}, dt),
        })
     if (!err.empty()) return err;
   return {};
@@ -187,10 +198,13 @@ inline ForwardArgs forward_args(const Inputs& in, const Residuals& r, void* y) {
   a.expert_offsets = static_cast<int32_t*>(r.offsets.untyped_data());
   a.row_pair = static_cast<int32_t*>(r.row_pair.untyped_data());
   a.pair_row = static_cast<int32_t*>(r.pair_row.untyped_data());
-  a.gate_pre = r.gate_pre.untyped_data();
-  a.up_pre = r.up_pre.untyped_data();
-  a.shared_gate_pre = r.sgate_pre.untyped_data();
-  a.shared_up_pre = r.sup_pre.untyped_data();
+  // Empty results (dropped pre-activations, or no shared expert): nullptr,
+  // whatever address XLA gives a zero-size buffer.
+  auto data = [](const Buf& b) { return b.element_count() > 0 ? b.untyped_data() : nullptr; };
+  a.gate_pre = data(r.gate_pre);
+  a.up_pre = data(r.up_pre);
+  a.shared_gate_pre = data(r.sgate_pre);
+  a.shared_up_pre = data(r.sup_pre);
   return a;
 }
 
@@ -248,7 +262,7 @@ ffi::Error run_forward(const Inputs& in, Ret y, Ret offsets, Ret row_pair, Ret p
   Problem prob;
   std::string err = decode_inputs(in, prob);
   const Residuals res{*offsets, *row_pair, *pair_row, *gate_pre, *up_pre, *sgate_pre, *sup_pre};
-  if (err.empty()) err = check_residuals(prob, res);
+  if (err.empty()) err = check_residuals(prob, res, /*allow_dropped=*/true);
   if (err.empty() && !detail::has_shape(*y, {prob.tokens, prob.hidden}))
     err = "y has shape " + detail::dims_str(*y);
   if (err.empty()) err = run(prob, forward_args(in, res, y->untyped_data()));

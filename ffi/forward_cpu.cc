@@ -24,8 +24,10 @@ std::vector<float> shared_expert_forward_cpu(const Problem& prob, const ForwardA
   std::vector<float> g(static_cast<size_t>(T * Fs)), u(g.size()), act(g.size());
   gemm_nn(T, Fs, H, xs.data(), H, wg.data(), Fs, g.data(), Fs, false);
   gemm_nn(T, Fs, H, xs.data(), H, wu.data(), Fs, u.data(), Fs, false);
-  from_f32(prob.dtype, g.data(), a.shared_gate_pre, T * Fs);
-  from_f32(prob.dtype, u.data(), a.shared_up_pre, T * Fs);
+  if (a.shared_gate_pre != nullptr) {  // null: a forward that keeps no residuals
+    from_f32(prob.dtype, g.data(), a.shared_gate_pre, T * Fs);
+    from_f32(prob.dtype, u.data(), a.shared_up_pre, T * Fs);
+  }
   swiglu_forward_cpu(prob.dtype, T * Fs, g.data(), u.data(), act.data());
   out.resize(static_cast<size_t>(T * H));
   gemm_nn(T, H, Fs, act.data(), Fs, wd.data(), H, out.data(), H, false);
@@ -38,8 +40,10 @@ std::string forward_cpu(const Problem& prob, const ForwardArgs& a, const Paralle
                                        a.row_pair, a.pair_row);
   if (!err.empty()) return err;
 
-  // Residual rows that hold no pair (padding) are written as zeros.
-  for (int64_t r = 0; r < R; ++r) {
+  // Residual rows that hold no pair (padding) are written as zeros. A forward
+  // that keeps no residuals gets null gate_pre / up_pre.
+  const bool keep_pre = a.gate_pre != nullptr;
+  for (int64_t r = 0; keep_pre && r < R; ++r) {
     if (a.row_pair[r] >= 0) continue;
     for (int64_t f = 0; f < F; ++f) {
       store_elem(prob.dtype, a.gate_pre, r * F + f, 0.0f);
@@ -60,8 +64,10 @@ std::string forward_cpu(const Problem& prob, const ForwardArgs& a, const Paralle
     const F32Slice wd(prob.dtype, a.w_down, e * F * H, F * H);
     gemm_nn(n, F, H, xs.data(), H, wg.data(), F, g.data(), F, false);
     gemm_nn(n, F, H, xs.data(), H, wu.data(), F, u.data(), F, false);
-    from_f32(prob.dtype, g.data(), elem_ptr(prob.dtype, a.gate_pre, begin * F), n * F);
-    from_f32(prob.dtype, u.data(), elem_ptr(prob.dtype, a.up_pre, begin * F), n * F);
+    if (keep_pre) {
+      from_f32(prob.dtype, g.data(), elem_ptr(prob.dtype, a.gate_pre, begin * F), n * F);
+      from_f32(prob.dtype, u.data(), elem_ptr(prob.dtype, a.up_pre, begin * F), n * F);
+    }
     swiglu_forward_cpu(prob.dtype, n * F, g.data(), u.data(), act.data());
     gemm_nn(n, H, F, act.data(), F, wd.data(), H, out_rows.data() + begin * H, H, false);
   });

@@ -238,17 +238,21 @@ __device__ __forceinline__ void put_chunk(const Store& ts, int ch, Value&& v) {
 
 // Gate/up epilogue: the 256 accumulator columns are [gate 128 | up 128] of the
 // CTA's 128 output columns starting at n_base; writes bf16 gate, up and
-// silu(gate) * up (computed from the fp32 accumulators). Store: TileStore
-// (Out = bf16 pointers) or TmaTileStore (Out = their tensor maps).
-template <typename Store, typename Out>
+// silu(gate) * up (computed from the fp32 accumulators), or with kKeepPre =
+// false the activation only (a forward that keeps no residuals: gate and up
+// unused). Store: TileStore (Out = bf16 pointers) or TmaTileStore (Out = their
+// tensor maps).
+template <bool kKeepPre = true, typename Store, typename Out>
 __device__ __forceinline__ void store_gate_up(const float (&acc)[128], Store& ts, int n_base, Out gate, Out up,
                                               Out act) {
 #pragma unroll
   for (int ch = 0; ch < 2; ++ch) {
-    put_chunk(ts, ch, [&](int i) { return acc[i]; });
-    ts.flush(gate, n_base + ch * 64);
-    put_chunk(ts, ch, [&](int i) { return acc[64 + i]; });
-    ts.flush(up, n_base + ch * 64);
+    if (kKeepPre) {
+      put_chunk(ts, ch, [&](int i) { return acc[i]; });
+      ts.flush(gate, n_base + ch * 64);
+      put_chunk(ts, ch, [&](int i) { return acc[64 + i]; });
+      ts.flush(up, n_base + ch * 64);
+    }
     put_chunk(ts, ch, [&](int i) { return silu_mul(acc[i], acc[64 + i]); });
     ts.flush(act, n_base + ch * 64);
   }

@@ -116,7 +116,9 @@ struct KParams {
 // borrows its partner's group and computes throw-away results, which keeps the
 // two pipelines in lock-step; if the groups differ, each CTA loads its own B.
 // The empty barrier of each stage then counts the consumer warps of both CTAs.
-template <bool kFused, int kCluster>
+// kKeepPre = false (kFused only): the activation is the only output (out0 and
+// out1, the gate/up pre-activations, are not written).
+template <bool kFused, int kCluster, bool kKeepPre>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b0,
                         const __grid_constant__ CUtensorMap tm_b1,
@@ -243,9 +245,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int g = 0; g < (kFused ? 16 : 32); ++g) {
               const int col = n_base + g * 8 + colq;
               if (col >= p.n) continue;
-              *reinterpret_cast<uint32_t*>(p.out0 + rbase + col) = 0u;
+              if (!kFused || kKeepPre) *reinterpret_cast<uint32_t*>(p.out0 + rbase + col) = 0u;
               if (kFused) {
-                *reinterpret_cast<uint32_t*>(p.out1 + rbase + col) = 0u;
+                if (kKeepPre) *reinterpret_cast<uint32_t*>(p.out1 + rbase + col) = 0u;
                 *reinterpret_cast<uint32_t*>(p.out2 + rbase + col) = 0u;
               }
             }
@@ -270,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         tts.wrow0 = wrow0;
         tts.keep[0] = ts.keep[0], tts.keep[1] = ts.keep[1];
         if (kFused) {
-          tile::store_gate_up(acc, tts, nt * 128, &tm_out0, &tm_out1, &tm_out2);
+          tile::store_gate_up<kKeepPre>(acc, tts, nt * 128, &tm_out0, &tm_out1, &tm_out2);
         } else {
           tile::store_plain(acc, tts, nt * 256, &tm_out0);
         }
@@ -278,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
 #endif
       if (kFused) {
-        tile::store_gate_up(acc, ts, nt * 128, p.out0, p.out1, p.out2);
+        tile::store_gate_up<kKeepPre>(acc, ts, nt * 128, p.out0, p.out1, p.out2);
       } else {
         tile::store_plain(acc, ts, nt * 256, p.out0);
       }
@@ -308,11 +310,11 @@ int gemm_cluster_size() {
 
 // Persistent grid: as many clusters as can be resident at once, queried once per
 // kernel variant (assumes one device type per process); 0 when the query fails.
-template <bool kFused, int kCluster>
+template <bool kFused, int kCluster, bool kKeepPre = true>
 int resident_clusters(int num_sms) {
   static std::atomic<int> cached{-1};
   if (cached.load() < 0) {
-    auto* kern = grouped_gemm_kernel<kFused, kCluster>;
+    auto* kern = grouped_gemm_kernel<kFused, kCluster, kKeepPre>;
     int n = 0;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
@@ -341,10 +343,10 @@ int resident_clusters(int num_sms) {
   return cached.load();
 }
 
-template <bool kFused, int kCluster>
+template <bool kFused, int kCluster, bool kKeepPre>
 const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, const CUtensorMap& tm_b1,
                           const CUtensorMap (&tm_out)[3], const KParams& p, int num_sms, cudaStream_t stream) {
-  auto* kern = grouped_gemm_kernel<kFused, kCluster>;
+  auto* kern = grouped_gemm_kernel<kFused, kCluster, kKeepPre>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kKernelSmemBytes) != cudaSuccess)
     return "mok cuda gemm: cudaFuncSetAttribute failed";
   cudaLaunchConfig_t cfg = {};
@@ -358,7 +360,7 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = kCluster > 1 ? 1 : 0;
-  int max_clusters = resident_clusters<kFused, kCluster>(num_sms);
+  int max_clusters = resident_clusters<kFused, kCluster, kKeepPre>(num_sms);
   if (max_clusters <= 0) max_clusters = std::max(1, num_sms / kCluster);
   const int64_t units = int64_t((p.m_tiles + kCluster - 1) / kCluster) * p.n_tiles;
   if (units <= 0) return nullptr;
@@ -415,6 +417,10 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   if (a.m_rows > (int64_t(1) << 31) - kBM || a.k > (int64_t(1) << 31) || a.n > (int64_t(1) << 31) ||
       a.groups > (int64_t(1) << 31))
     return "mok cuda gemm: dimension too large";
+  // The fused epilogue without out0/out1: the activation only (keep_pre false).
+  const bool keep_pre = !fused || a.out0 != nullptr || a.out1 != nullptr;
+  if (fused && (a.out2 == nullptr || (keep_pre && (a.out0 == nullptr || a.out1 == nullptr))))
+    return "mok cuda gemm: the gate/up epilogue needs out2, and out0 and out1 both or neither";
   if (a.row_dst != nullptr && (fused || a.zero_unused_tiles))
     return "mok cuda gemm: row_dst needs the plain epilogue without zero_unused_tiles";
   if (!aligned16(a.a) || !aligned16(a.b0) || (a.row_dst == nullptr && !aligned16(a.out0)) ||
@@ -458,7 +464,12 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   p.tma_store = tma_store ? 1 : 0;
 #endif
   if (tma_store) {
-    void* outs[3] = {a.out0, fused ? a.out1 : a.out0, fused ? a.out2 : a.out0};
+    void* outs[3] = {a.out0, a.out0, a.out0};
+    if (fused) {  // gate/up not kept: their (unused) maps point at the activation
+      outs[0] = keep_pre ? a.out0 : a.out2;
+      outs[1] = keep_pre ? a.out1 : a.out2;
+      outs[2] = a.out2;
+    }
     for (int j = 0; j < 3; ++j)
       if (!make_map_2d(&tm_out[j], outs[j], a.m_rows, a.n, 64, 16))
         return "mok cuda gemm: tensor map (output) encode failed";
@@ -469,11 +480,15 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   const int cluster = gemm_cluster_size();
   p.group_m = std::max(1, gemm_group_m() / cluster);
   if (fused) {
-    if (cluster == 2) return launch_kernel<true, 2>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
-    return launch_kernel<true, 1>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
+    if (!keep_pre) {
+      if (cluster == 2) return launch_kernel<true, 2, false>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
+      return launch_kernel<true, 1, false>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
+    }
+    if (cluster == 2) return launch_kernel<true, 2, true>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
+    return launch_kernel<true, 1, true>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
   }
-  if (cluster == 2) return launch_kernel<false, 2>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
-  return launch_kernel<false, 1>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
+  if (cluster == 2) return launch_kernel<false, 2, true>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
+  return launch_kernel<false, 1, true>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
 }
 
 }  // namespace mok::cuda

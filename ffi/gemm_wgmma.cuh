@@ -43,6 +43,8 @@ struct GroupedGemmArgs {
   const int32_t* tile_group = nullptr;
   // Optional [m_rows]: rows whose mask is 0 are written as zeros.
   const uint8_t* row_mask = nullptr;
+  // kGateUpSwiGLU: out0, out1 the gate/up pre-activations, out2 the
+  // activation; out0 = out1 = nullptr writes the activation only.
   void* out0 = nullptr;  // [m_rows, n]
   void* out1 = nullptr;  // [m_rows, n] (kGateUpSwiGLU only)
   void* out2 = nullptr;  // [m_rows, n] (kGateUpSwiGLU only)

@@ -74,6 +74,13 @@ def row_capacity(tokens: int, top_k: int, experts: int) -> int:
     return -(-rows // TILE_ROWS) * TILE_ROWS
 
 
+# jax 0.11.2's Shardy pass segfaults (ManualComputationUnusedInputsPattern) on
+# zero-size operands of an FFI call run eagerly inside shard_map; fixed in
+# 0.12. There no zero-size buffer enters or leaves an FFI call inside
+# shard_map (experts.empty_shared, forward_call's kept residuals).
+ZERO_SIZE_OPERANDS_CRASH = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 12)
+
+
 def varying_axes(arrays):
     axes = set()
     for a in arrays:
@@ -103,22 +110,25 @@ def _result(shape, dtype, like):
     return jax.typeof(like).update(shape=tuple(shape), dtype=np.dtype(dtype), weak_type=False)
 
 
-def forward_result_types(x, topk_ids, w_gate, ws_gate):
+def forward_result_types(x, topk_ids, w_gate, ws_gate, keep_pre=True):
+    """keep_pre=False: the four pre-activation results get 0 rows (the kernels
+    then write the activations only)."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, _, F = w_gate.shape
     Fs = ws_gate.shape[1]
     R = row_capacity(T, K, E)
+    Rp, Tp = (R, T) if keep_pre else (0, 0)
     i32 = jnp.int32
     return (
         _result((T, H), x.dtype, x),        # y
         _result((E + 1,), i32, x),          # expert_offsets
         _result((R,), i32, x),              # row_pair
         _result((T * K,), i32, x),          # pair_row
-        _result((R, F), x.dtype, x),        # gate_pre
-        _result((R, F), x.dtype, x),        # up_pre
-        _result((T, Fs), x.dtype, x),       # shared_gate_pre
-        _result((T, Fs), x.dtype, x),       # shared_up_pre
+        _result((Rp, F), x.dtype, x),       # gate_pre
+        _result((Rp, F), x.dtype, x),       # up_pre
+        _result((Tp, Fs), x.dtype, x),      # shared_gate_pre
+        _result((Tp, Fs), x.dtype, x),      # shared_up_pre
     )
 
 
@@ -128,13 +138,19 @@ def backward_result_types(x, topk_ids, weights):
             *(_result(w.shape, w.dtype, x) for w in weights))
 
 
-def forward_call(platform, inputs, megakernel=None):
+def forward_call(platform, inputs, megakernel=None, keep_residuals=True):
     """inputs: (x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd), already
     reconciled (reconcile_varying) when inside shard_map. megakernel: a
     MegakernelConfig or None (the defaults), used by the CUDA target only.
-    Returns y and the 7 residuals."""
+    keep_residuals=False (a forward nothing differentiates): the gate/up
+    pre-activations are neither written nor allocated, 2 R F + 2 T Fs
+    elements of stores and memory saved (the persistent megakernel keeps
+    them regardless). Returns y and the 7 residuals (those four then with 0
+    rows)."""
     x, ids, _, _, wg, _, _, wsg, _, _ = inputs
-    types = forward_result_types(x, ids, wg, wsg)
+    persistent = platform == "cuda" and (megakernel or MegakernelConfig()).persistent
+    keep_pre = keep_residuals or persistent or (ZERO_SIZE_OPERANDS_CRASH and bool(varying_axes(inputs)))
+    types = forward_result_types(x, ids, wg, wsg, keep_pre=keep_pre)
     attrs = {}
     if platform == "cuda":  # the device workspace is one more XLA-owned output
         attrs = (megakernel or MegakernelConfig()).ffi_attrs()

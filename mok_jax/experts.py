@@ -15,16 +15,11 @@ from .config import check_megakernel
 from .reference import experts_xla
 
 
-# jax 0.11.2's Shardy pass segfaults (ManualComputationUnusedInputsPattern) on
-# zero-size operands of an FFI call run eagerly inside shard_map; fixed in
-# 0.12. There, "no shared expert" is sent as a zero-weight shared expert of
-# width 8 instead of width 0: it adds exact zeros (~8/(k*F) extra FLOPs).
-_ZERO_SIZE_OPERANDS_CRASH = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 12)
-
-
 def empty_shared(H, dtype, in_shard_map):
-    """The (ws_gate, ws_up, ws_down) that stand for "no shared expert"."""
-    Fs = 8 if (in_shard_map and _ZERO_SIZE_OPERANDS_CRASH) else 0
+    """The (ws_gate, ws_up, ws_down) that stand for "no shared expert" (inside
+    shard_map on jax < 0.12, see _ffi.ZERO_SIZE_OPERANDS_CRASH: a zero-weight
+    shared expert of width 8, which adds exact zeros, ~8/(k*F) extra FLOPs)."""
+    Fs = 8 if (in_shard_map and _ffi.ZERO_SIZE_OPERANDS_CRASH) else 0
     z = jnp.zeros((H, Fs), dtype)
     return z, z, jnp.zeros((Fs, H), dtype)
 
@@ -33,12 +28,15 @@ def empty_shared(H, dtype, in_shard_map):
 # the CUDA kernel's launch, never the values, and is hashable for the jit cache.
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _experts_ffi(platform, megakernel, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd):
-    return _forward(platform, megakernel, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd)[0]
+    # Not differentiated (inference, evaluation): no residuals to keep.
+    return _forward(platform, megakernel, x, ids, weights, mask, wg, wu, wd, wsg, wsu, wsd,
+                    keep_residuals=False)[0]
 
 
-def _forward(platform, megakernel, *inputs):
+def _forward(platform, megakernel, *inputs, keep_residuals=True):
     # experts() reconciled the inputs
-    y, *residuals = _ffi.forward_call(platform, inputs, megakernel=megakernel)
+    y, *residuals = _ffi.forward_call(platform, inputs, megakernel=megakernel,
+                                      keep_residuals=keep_residuals)
     return y, tuple(residuals)
 
 

@@ -186,7 +186,7 @@ def _local_forward(impl, inputs, megakernel=None):
     inputs, _ = _ffi.reconcile_varying(list(inputs))
     if impl == "xla":
         return xla_flat(*inputs)
-    return _ffi.forward_call(impl, inputs, megakernel=megakernel)[0]
+    return _ffi.forward_call(impl, inputs, megakernel=megakernel, keep_residuals=False)[0]
 
 
 def _local_backward(impl, dy, inputs, megakernel=None):

@@ -115,6 +115,30 @@ def test_cuda_forward_edge_cases(kind):
         assert np.all(np.asarray(y.astype(jnp.float32))[~np.asarray(mask)] == 0)
 
 
+@pytest.mark.parametrize("case", [(1029, 256, 392, 16, 4, 128), (2047, 2048, 768, 128, 8, 0)],
+                         ids=["shared_masked", "qwen_slice"])
+def test_cuda_inference_forward_equals_the_training_forward(case):
+    """Not differentiated, the forward writes no gate/up pre-activations (the
+    act-only gate/up epilogue, also the shared expert's); its y is bitwise the
+    y of the differentiated forward, which keeps them."""
+    T, H, F, E, K, Fs = case
+    x, router, wg, wu, wd, shared = make_problem(T, H, F, E, BF16, Fs)
+    aux = mok_jax.route(x, router, top_k=K)
+    mask = jax.random.bernoulli(fresh_key(), 0.8, (T,)) if Fs else None
+    f = lambda x, w, wg, wu, wd: mok_jax.experts(x, aux.topk_ids, w, wg, wu, wd, shared_experts=shared,
+                                                 token_mask=mask, implementation="cuda")
+    args = (x, aux.topk_weights, wg, wu, wd)
+    y_inference = jax.jit(f)(*args)
+    def train(*a):  # y and its gradients: the residuals are used, so they are kept
+        y, vjp = jax.vjp(f, *a)
+        return y, vjp(jnp.ones_like(y))
+    y_train = jax.jit(train)(*args)[0]
+    np.testing.assert_array_equal(np.asarray(y_inference.view(jnp.uint16)),
+                                  np.asarray(y_train.view(jnp.uint16)))
+    want = _f32_reference(x, aux.topk_ids, aux.topk_weights, wg, wu, wd, shared, mask)
+    assert_close("y", y_inference, np.asarray(want, np.float64), BF16)
+
+
 def test_cuda_layer_gradients_match_xla():
     x, router, wg, wu, wd, _ = make_problem(1000, 256, 384, 16, BF16)
 

@@ -403,3 +403,21 @@ def test_cuda_expert_parallel_gets_the_knobs(fake_cuda):
                "ring_rows = 256 : i32" in line
     knobs = {args[6:] for kind, args in fake_cuda.calls if kind == "fwd"}
     assert knobs == {(1, 2, 128, 256)}
+
+
+@pytest.mark.parametrize("cfg,kept", [(None, False), (MegakernelConfig(persistent=True), True)])
+def test_cuda_inference_forward_drops_the_pre_activations(fake_cuda, cfg, kept):
+    """Not differentiated, the CUDA forward gets gate_pre/up_pre (and the
+    shared expert's) with 0 rows, so its gate/up GEMMs write the activation
+    only; the persistent megakernel keeps them (it writes them regardless)."""
+    x, ids, w, wg, wu, wd, sh = _cuda_problem(Fs=32)
+    f = lambda x: mok_jax.experts(x, ids, w, wg, wu, wd, shared_experts=sh, implementation="cuda",
+                                  megakernel=cfg)
+    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    (fwd,) = _custom_calls(text, "mok_experts_fwd_cuda")
+    outs = re.findall(r"tensor<[^>]*>", re.search(r"-> \((.*)\)$", fwd.strip()).group(1))
+    T, Fc = x.shape[0], wg.shape[2]
+    R = int(re.match(r"tensor<(\d+)x", outs[4]).group(1))
+    assert outs[4:8] == ([f"tensor<{R}x{Fc}xbf16>"] * 2 + [f"tensor<{T}x32xbf16>"] * 2 if kept
+                         else [f"tensor<0x{Fc}xbf16>"] * 2 + ["tensor<0x32xbf16>"] * 2), outs
+    assert (R > 0) == kept

@@ -3,7 +3,8 @@
 # register-to-global stores (MOK_CUDA_GEMM_TMA_STORE=0) in the same binaries,
 # which are built with -DMOK_GEMM_TMA_STORE=1. Steps (STEPS, default all, too
 # many for one 600 s device call: run "fwd memcheck" then "pytest bwd"):
-#   fwd      staged forward: SASS counts, correctness, A/B at the 4 shapes
+#   fwd      staged forward: SASS counts, correctness (with the no-residuals
+#            run), A/B at the 4 shapes, and the no-residuals forward timed
 #   memcheck compute-sanitizer memcheck of the staged forward, small case
 #   pytest   Python build (default flags: no TMA store) + GPU pytest subset
 #   bwd      backward: epilogue probe 0/1, then the TMA-store epilogues
@@ -34,6 +35,11 @@ if has fwd; then
     for v in 1 0 1 0; do
       echo "== tma_store=$v shape $s"
       MOK_CUDA_GEMM_TMA_STORE=$v timeout 60 $B/forward_standalone --timing --iters 20 --staged --shape $s > "$L/t.log" 2>&1
+      grep -E "total   median|gate/up|determinism|error|FAIL" "$L/t.log" | cut -c1-160
+    done
+    for v in 1 0; do  # the inference forward: no gate/up pre-activations stored
+      echo "== no-residuals tma_store=$v shape $s"
+      MOK_CUDA_GEMM_TMA_STORE=$v timeout 60 $B/forward_standalone --timing --iters 20 --staged --no-residuals --shape $s > "$L/t.log" 2>&1
       grep -E "total   median|gate/up|determinism|error|FAIL" "$L/t.log" | cut -c1-160
     done
   done

@@ -3,6 +3,8 @@
 //   forward_standalone [--correctness] [--small] [--case NAME] [--timing] [--timing-shared] [--iters N]
 //                      [--staged | --dispatch-ctas N --minibatch-rows N --ring-rows N]
 //                      [--shape T,H,F,E,K]   (timing shape; default benchmark shape 1)
+//                      [--no-residuals]      (timing: the staged forward that keeps no
+//                                             gate/up pre-activations, as in inference)
 //   (the megakernel unless --staged)
 //   (MOK_CUDA_GEMM_CLUSTER=1 selects the single-CTA GEMM launch; default: 2-CTA clusters)
 //
@@ -10,7 +12,8 @@
 // with 0xFF bytes, compared against a CPU reference in fp64 (schedule tensors
 // exactly; gate_pre/up_pre/shared_*_pre/y by relative L2 <= 1e-2), bitwise
 // determinism across two runs, padding rows of gate_pre/up_pre must be 0 and
-// masked tokens must give exact zeros.
+// masked tokens must give exact zeros; staged, a third run without residuals
+// must give y bitwise and leave the pre-activation buffers untouched.
 // Timing: (T,H,F,E,K) = (32768,2048,768,128,8), median of N iterations after
 // warm-up, CUDA events; useful FLOPs = 6*T*K*H*F.
 #include <cuda_runtime.h>
@@ -158,6 +161,8 @@ static mok::cuda::MegakernelConfig g_cfg = [] {
   c.persistent = 1;
   return c;
 }();
+// --no-residuals: time the forward without gate/up pre-activations (staged only).
+static bool g_no_residuals = false;
 
 struct Dev {
   void *x, *wg, *wu, *wd, *sg, *su, *sd, *y, *gp, *upp, *sgp, *sup, *ws;
@@ -208,7 +213,9 @@ static void teardown(Dev& d) {
                   (void*)d.ids, (void*)d.eo, (void*)d.rp, (void*)d.pr, (void*)d.tw, (void*)d.mask})
     CK(cudaFree(p));
 }
-static ForwardArgs make_args(const Dev& d) {
+// keep_pre = false: the pre-activation pointers null (a forward that keeps no
+// residuals: the gate/up GEMMs write the activation only).
+static ForwardArgs make_args(const Dev& d, bool keep_pre = true) {
   ForwardArgs a;
   a.x = d.x;
   a.topk_ids = d.ids;
@@ -224,10 +231,10 @@ static ForwardArgs make_args(const Dev& d) {
   a.expert_offsets = d.eo;
   a.row_pair = d.rp;
   a.pair_row = d.pr;
-  a.gate_pre = d.gp;
-  a.up_pre = d.upp;
-  a.shared_gate_pre = d.sgp;
-  a.shared_up_pre = d.sup;
+  a.gate_pre = keep_pre ? d.gp : nullptr;
+  a.up_pre = keep_pre ? d.upp : nullptr;
+  a.shared_gate_pre = keep_pre ? d.sgp : nullptr;
+  a.shared_up_pre = keep_pre ? d.sup : nullptr;
   return a;
 }
 
@@ -252,10 +259,10 @@ static void poison(const Problem& pr, const Dev& d) {
   CK(cudaMemset(d.ws, 0xFF, d.ws_bytes));
 }
 
-static bool run_forward(const Problem& pr, const Dev& d, Outputs& o, cudaStream_t st) {
+static bool run_forward(const Problem& pr, const Dev& d, Outputs& o, cudaStream_t st, bool keep_pre = true) {
   poison(pr, d);
   CK(cudaDeviceSynchronize());
-  const char* err = mok::cuda::forward(pr, make_args(d), d.ws, st, nullptr, g_cfg);
+  const char* err = mok::cuda::forward(pr, make_args(d, keep_pre), d.ws, st, nullptr, g_cfg);
   if (err) {
     std::printf("  forward returned error: %s\n", err);
     return false;
@@ -319,6 +326,17 @@ static bool check_case(const Case& c, uint64_t seed, cudaStream_t st) {
   }
   const bool det = o1.y == o2.y && o1.gp == o2.gp && o1.up == o2.up && o1.sgp == o2.sgp && o1.sup == o2.sup &&
                    o1.eo == o2.eo && o1.rp == o2.rp && o1.pr == o2.pr;
+  // Staged path without residuals (inference): y bitwise the same, and the
+  // (poisoned) pre-activation buffers untouched.
+  bool drop_ok = true;
+  if (g_cfg.persistent == 0) {
+    Outputs o3;
+    auto poisoned = [](const std::vector<uint16_t>& v) {
+      return std::all_of(v.begin(), v.end(), [](uint16_t b) { return b == 0xFFFF; });
+    };
+    drop_ok = run_forward(pr, d, o3, st, /*keep_pre=*/false) && o3.y == o1.y && poisoned(o3.gp) &&
+              poisoned(o3.up) && poisoned(o3.sgp) && poisoned(o3.sup);
+  }
 
   // ---- schedule reference
   const int64_t T = c.T, H = c.H, F = c.F, E = c.E, K = c.K, Fs = c.Fs, P = T * K, R = pr.row_capacity();
@@ -424,13 +442,13 @@ static bool check_case(const Case& c, uint64_t seed, cudaStream_t st) {
   const double tol = 1e-2;
   const bool num_ok = ey.rel() <= tol && (eg.r2 == 0 || eg.rel() <= tol) && (eu.r2 == 0 || eu.rel() <= tol) &&
                       (Fs == 0 || (esg.rel() <= tol && esu.rel() <= tol));
-  ok = det && sched_ok && flag_ok && zeros_ok && num_ok;
+  ok = det && sched_ok && flag_ok && zeros_ok && num_ok && drop_ok;
   std::printf(
       "  %-12s T=%-5lld H=%-4lld F=%-4lld E=%-3lld K=%-2lld Fs=%-4lld | y %.2e gate %.2e up %.2e sgate %.2e sup %.2e | "
-      "sched %s flag %s zeros %s determ %s => %s\n",
+      "sched %s flag %s zeros %s determ %s no-residuals %s => %s\n",
       c.name, (long long)T, (long long)H, (long long)F, (long long)E, (long long)K, (long long)Fs, ey.rel(), eg.rel(),
       eu.rel(), Fs ? esg.rel() : 0.0, Fs ? esu.rel() : 0.0, sched_ok ? "ok" : "BAD", flag_ok ? "ok" : "BAD",
-      zeros_ok ? "ok" : "BAD", det ? "ok" : "BAD", ok ? "PASS" : "FAIL");
+      zeros_ok ? "ok" : "BAD", det ? "ok" : "BAD", drop_ok ? "ok" : "BAD", ok ? "PASS" : "FAIL");
   std::fflush(stdout);
   teardown(d);
   return ok;
@@ -455,7 +473,7 @@ static int run_timing(Case c, int iters, cudaStream_t st, bool with_shared) {
   make_inputs(c, 1234, h);
   Dev d;
   setup(pr, h, d);
-  const ForwardArgs args = make_args(d);
+  const ForwardArgs args = make_args(d, !g_no_residuals);
   mok::cuda::ForwardStageEvents se;
   for (auto& e : se.ev) CK(cudaEventCreate(&e));
   for (int i = 0; i < 5; ++i) {
@@ -528,6 +546,7 @@ int main(int argc, char** argv) {
     else if (a == "--timing-shared") shared_timing = true;
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (a == "--staged") g_cfg.persistent = 0;
+    else if (a == "--no-residuals") g_no_residuals = true;
     else if (a == "--dispatch-ctas" && i + 1 < argc) g_cfg.dispatch_ctas = std::atoi(argv[++i]);
     else if (a == "--minibatch-rows" && i + 1 < argc) g_cfg.minibatch_rows = std::atoi(argv[++i]);
     else if (a == "--ring-rows" && i + 1 < argc) g_cfg.ring_rows = std::atoi(argv[++i]);
