@@ -318,7 +318,8 @@ def run(args):
             "flops": "useful FLOPs: fwd 6*T*k*H*F, bwd 2x (12*T*k*H*F), fwd+bwd 3x (18*T*k*H*F)",
             "iters": args.iters, "warmup": args.warmup, "pipeline": args.pipeline,
             "zipf_s": args.zipf_s, "ep": args.ep,
-            "skipped_impls": skipped, "command": "python " + " ".join(sys.argv)}
+            "skipped_impls": skipped, "command": "python " + " ".join(sys.argv),
+            "cuda_build_options": mok_jax.info.cuda_build_options()}
     if "torch" in runnable:
         import torch
         meta["torch"] = torch.__version__

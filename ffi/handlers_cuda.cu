@@ -25,6 +25,7 @@
 
 #include "backward_cuda.h"
 #include "ffi_args.h"
+#include "gemm_tile.cuh"  // MOK_GEMM_TMA_STORE
 #include "forward_cuda.h"
 #include "peer_backward.h"
 #include "peer_forward.h"
@@ -326,4 +327,10 @@ NB_MODULE(_mok_cuda, m) {
   // cannot run the peer dispatch (no peer-to-peer between two of them).
   m.def("peer_access_problem", [](std::vector<int32_t> ordinals) { return mok::cuda::peer_access_problem(ordinals); });
   m.def("captured_calls", []() { return mok::g_captured_calls.load(); });
+  // The compile-time variants of this build (mok_jax.info, the benchmark's metadata).
+  m.def("build_options", []() {
+    nanobind::dict d;
+    d["gemm_tma_store"] = MOK_GEMM_TMA_STORE != 0;
+    return d;
+  });
 }

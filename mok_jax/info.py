@@ -44,6 +44,15 @@ def cuda_unavailable_reason(built, reason, gpus):
     return None
 
 
+def cuda_build_options():
+    """The CUDA module's compile-time variants ({} when it is not built): e.g.
+    gemm_tma_store, the GEMMs' TMA-store epilogues (MOK_JAX_GEMM_TMA_STORE=ON)."""
+    from mok_jax import _ffi
+    if not _ffi.cuda_built() or not hasattr(_ffi._mok_cuda, "build_options"):
+        return {}
+    return dict(_ffi._mok_cuda.build_options())
+
+
 def collect():
     """The information as a dict (JSON-serialisable)."""
     import jax
@@ -77,7 +86,8 @@ def collect():
         "devices": [str(d) for d in jax.devices()],
         "ffi": {
             "cpu": {"built": True, "registered": cpu_targets, "tile_rows": _ffi.TILE_ROWS},
-            "cuda": {"built": _ffi.cuda_built(), "registered": cuda_targets},
+            "cuda": {"built": _ffi.cuda_built(), "registered": cuda_targets,
+                     "build_options": cuda_build_options()},
         },
         "gpus": gpus,
         "cuda_usable": reason is None,
@@ -98,6 +108,9 @@ def format_info(info):
     ]
     if ffi["cuda"]["built"]:
         lines.append(f"FFI cuda: built, registered: {', '.join(ffi['cuda']['registered'])}")
+        opts = ffi["cuda"].get("build_options") or {}
+        if opts:
+            lines.append("FFI cuda build options: " + ", ".join(f"{k}={v}" for k, v in sorted(opts.items())))
     else:
         lines.append("FFI cuda: not built")
     if info["gpus"]:

@@ -52,3 +52,26 @@ def test_import_mok_jax_does_not_import_flax():
             "assert mok_jax.convert.experts_from_hf and mok_jax.info.collect")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     subprocess.run([sys.executable, "-c", code], env=env, timeout=120, check=True)
+
+
+def test_cuda_build_options(monkeypatch):
+    """The CUDA module's compile-time variants, as the benchmark records them:
+    {} without the module, else what its build_options() reports."""
+    from mok_jax import _ffi
+    monkeypatch.setattr(_ffi, "cuda_built", lambda: False)
+    assert info.cuda_build_options() == {}
+
+    class FakeCuda:
+        @staticmethod
+        def build_options():
+            return {"gemm_tma_store": True}
+
+        @staticmethod
+        def registrations():
+            return {}
+
+    monkeypatch.setattr(_ffi, "cuda_built", lambda: True)
+    monkeypatch.setattr(_ffi, "_mok_cuda", FakeCuda)
+    assert info.cuda_build_options() == {"gemm_tma_store": True}
+    text = info.format_info({**info.collect(), "gpus": []})
+    assert "FFI cuda build options: gemm_tma_store=True" in text

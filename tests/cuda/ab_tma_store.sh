@@ -2,11 +2,14 @@
 # The TMA-store epilogue (branch tma-store-epilogue) against the
 # register-to-global stores (MOK_CUDA_GEMM_TMA_STORE=0) in the same binaries,
 # which are built with -DMOK_GEMM_TMA_STORE=1. Steps (STEPS, default all, too
-# many for one 600 s device call: run "fwd memcheck" then "pytest bwd"):
+# many for one 600 s device call: run "fwd memcheck", then "pytest bwd", then "bench"):
 #   fwd      staged forward: SASS counts, correctness (with the no-residuals
 #            run), A/B at the 4 shapes, and the no-residuals forward timed
 #   memcheck compute-sanitizer memcheck of the staged forward, small case
-#   pytest   Python build (default flags: no TMA store) + GPU pytest subset
+#   pytest   Python build with the TMA store (MOK_JAX_GEMM_TMA_STORE=ON, on by
+#            default in that build) + GPU pytest subset, through JAX
+#   bench    benchmarks.run, shapes 1-4, cuda + torch, fwd and fwd+bwd, in the
+#            same build with the TMA store on, then off (MOK_CUDA_GEMM_TMA_STORE=0)
 #   bwd      backward: epilogue probe 0/1, then the TMA-store epilogues
 #            (d_x dgrad, weight gradients, SwiGLU-backward dgrad): correctness
 #            of all three and of each alone (MOK_CUDA_BWD_TMA_STORE=1/2/4),
@@ -15,11 +18,12 @@
 set -uo pipefail
 L="${OUT:-/tmp/ab_out}"; mkdir -p "$L"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-STEPS=" ${STEPS:-fwd memcheck pytest bwd} "
+STEPS=" ${STEPS:-fwd memcheck pytest bwd bench} "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
 B=/tmp/ab_build
 if has pytest; then
-  (python3 -m pip install --no-build-isolation --no-deps -e . > "$L/pip.log" 2>&1; echo "pip rc $?" >> "$L/pip.log") &
+  (MOK_JAX_GEMM_TMA_STORE=ON python3 -m pip install --no-build-isolation --no-deps -e . > "$L/pip.log" 2>&1
+   echo "pip rc $?" >> "$L/pip.log") &
   pip_pid=$!
 fi
 if has fwd || has memcheck; then
@@ -50,8 +54,9 @@ if has memcheck; then
 fi
 if has pytest; then
   wait $pip_pid; tail -1 "$L/pip.log"
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
-    -k "forward_small or forward_edge or layer_gradients or backward_edge or megakernel_equals or graphs" > "$L/pytest.log" 2>&1
+  python3 -c "import mok_jax.info as i; print('build options', i.cuda_build_options())"
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
+    -k "forward_small or forward_edge or layer_gradients or backward_edge or megakernel_equals or graphs or inference" > "$L/pytest.log" 2>&1
   tail -3 "$L/pytest.log"
 fi
 if has bwd; then
@@ -76,5 +81,12 @@ if has bwd; then
     echo "== backward tma epilogues=$v"
     MOK_CUDA_BWD_TMA_STORE=$v timeout 90 /tmp/ab_bwd_tma/backward_standalone --timing --iters 20 > "$L/bwd_t.log" 2>&1
     grep -E "backward median|prep\+gather" "$L/bwd_t.log" | cut -c1-200
+  done
+fi
+if has bench; then  # needs the "pytest" step's build (MOK_JAX_GEMM_TMA_STORE=ON)
+  for v in 1 0; do
+    MOK_CUDA_GEMM_TMA_STORE=$v timeout 280 python3 -m benchmarks.run --shapes 1,2,3,4 --impls cuda,torch \
+      --passes fwd,fwd+bwd --sweep '' --no-plots --iters 20 --out "$L" --tag "bench_tma$v" > "$L/bench_tma$v.log" 2>&1
+    echo "== bench tma_store=$v rc $?"; grep -E "^\|" "$L/bench_tma$v.log" | head -20
   done
 fi
