@@ -247,7 +247,7 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
 
   // The token rows of src (x or dy) gathered into expert-major padded rows (padding rows zero).
   auto gather_rows = [&](const void* src, void* dst) {
-    return detail::launch_dispatch(p, src, f.row_pair, f.expert_offsets, dst, sms, stream);
+    return detail::launch_dispatch(p, src, f.row_pair, f.pair_row, f.expert_offsets, dst, sms, stream);
   };
   auto mark = [&](int i) -> bool { return ev == nullptr || cudaEventRecord(ev->ev[i], stream) == cudaSuccess; };
   if (!mark(0)) return "mok cuda backward: event record failed";

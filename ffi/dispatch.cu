@@ -2,11 +2,22 @@
 //   xg[r] = x[row_pair[r] / K]   for real rows,
 //   xg[r] = 0                    for padding rows below expert_offsets[E].
 // Rows at or above expert_offsets[E] are left untouched (their GEMM tiles are
-// skipped). One warp per row, 16-byte vectors (H % 8 == 0).
+// skipped). 16-byte vectors (H % 8 == 0). Two kernels:
+//   dispatch_rows    one warp per destination row (the default, validated):
+//                    a token's row is read K times, from DRAM mostly (x is
+//                    larger than L2 at the benchmark shapes; ncu of the same
+//                    copy in the peer pull: 0.95 GB read for 1.07 GB of rows).
+//   dispatch_tokens  one warp per token: its row read once and written to its
+//                    K rows (pair_row), then the padding rows zeroed: at shape
+//                    1, 1.2 GB of DRAM traffic instead of ~2 GB. Not yet run
+//                    on a GPU: MOK_CUDA_DISPATCH=tokens selects it.
+// Every destination row is written by one warp: deterministic either way.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "forward_cuda.h"
 
@@ -44,16 +55,89 @@ __global__ void __launch_bounds__(kThreads) dispatch_rows(const uint4* __restric
   }
 }
 
+// Warp items [0, T): token t's row, read once in chunks of 4 vectors per lane
+// and stored to each of its rows pair_row[t K + k] (-1: masked, no row);
+// items [T, T + ceil(R / 32)): 32 rows each, the padding ones (row_pair < 0,
+// below expert_offsets[E]) zeroed.
+__global__ void __launch_bounds__(kThreads) dispatch_tokens(const uint4* __restrict__ x, int64_t vec_per_row, int K,
+                                                            int64_t tokens, const int32_t* __restrict__ pair_row,
+                                                            const int32_t* __restrict__ row_pair,
+                                                            const int32_t* __restrict__ total_rows,
+                                                            int64_t row_groups, uint4* __restrict__ xg) {
+  const int64_t total = *total_rows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int64_t items = tokens + row_groups;
+  for (int64_t w = int64_t(blockIdx.x) * kRowsPerBlock + warp; w < items; w += int64_t(gridDim.x) * kRowsPerBlock) {
+    if (w < tokens) {
+      const uint4* src = x + w * vec_per_row;
+      const int32_t* rows = pair_row + w * K;
+      for (int64_t c0 = 0; c0 < vec_per_row; c0 += 128) {
+        uint4 v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int64_t c = c0 + lane + 32 * i;
+          if (c < vec_per_row) v[i] = __ldg(src + c);
+        }
+        for (int kb = 0; kb < K; kb += 32) {
+          // lane j holds the row of pair kb + j; broadcast one at a time
+          const int32_t mine = kb + lane < K ? __ldg(rows + kb + lane) : -1;
+          const int n = min(32, K - kb);
+          for (int j = 0; j < n; ++j) {
+            const int32_t r = __shfl_sync(0xffffffffu, mine, j);
+            if (r < 0) continue;
+            uint4* dst = xg + int64_t(r) * vec_per_row;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int64_t c = c0 + lane + 32 * i;
+              if (c < vec_per_row) dst[c] = v[i];
+            }
+          }
+        }
+      }
+    } else {
+      const int64_t r0 = (w - tokens) * 32;
+      if (r0 >= total) continue;
+      const bool pad = r0 + lane < total && row_pair[r0 + lane] < 0;
+      uint32_t todo = __ballot_sync(0xffffffffu, pad);
+      const uint4 z = make_uint4(0, 0, 0, 0);
+      while (todo != 0) {
+        const int j = __ffs(todo) - 1;
+        todo &= todo - 1;
+        uint4* dst = xg + (r0 + j) * vec_per_row;
+        for (int64_t c = lane; c < vec_per_row; c += 32) dst[c] = z;
+      }
+    }
+  }
+}
+
+// MOK_CUDA_DISPATCH=tokens: the token-major kernel (read once per process).
+bool token_major_dispatch() {
+  static const bool on = [] {
+    const char* e = std::getenv("MOK_CUDA_DISPATCH");
+    return e != nullptr && std::strcmp(e, "tokens") == 0;
+  }();
+  return on;
+}
+
 }  // namespace
 
-const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row_pair, const int32_t* expert_offsets,
-                            void* xg, int num_sms, cudaStream_t stream) {
+const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row_pair, const int32_t* pair_row,
+                            const int32_t* expert_offsets, void* xg, int num_sms, cudaStream_t stream) {
   const int64_t R = pr.row_capacity();
   const int64_t vec = pr.hidden / 8;
-  const int64_t want = (R + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t(num_sms) * 8)));
-  dispatch_rows<<<grid, kThreads, 0, stream>>>(static_cast<const uint4*>(x), vec, static_cast<int>(pr.top_k), row_pair,
-                                               expert_offsets + pr.experts, static_cast<uint4*>(xg));
+  if (token_major_dispatch()) {
+    const int64_t groups = (R + 31) / 32;
+    const int64_t want = (pr.tokens + groups + kRowsPerBlock - 1) / kRowsPerBlock;
+    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t(num_sms) * 8)));
+    dispatch_tokens<<<grid, kThreads, 0, stream>>>(static_cast<const uint4*>(x), vec, static_cast<int>(pr.top_k),
+                                                   pr.tokens, pair_row, row_pair, expert_offsets + pr.experts, groups,
+                                                   static_cast<uint4*>(xg));
+  } else {
+    const int64_t want = (R + kRowsPerBlock - 1) / kRowsPerBlock;
+    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t(num_sms) * 8)));
+    dispatch_rows<<<grid, kThreads, 0, stream>>>(static_cast<const uint4*>(x), vec, static_cast<int>(pr.top_k),
+                                                 row_pair, expert_offsets + pr.experts, static_cast<uint4*>(xg));
+  }
   if (cudaGetLastError() != cudaSuccess) return "mok cuda dispatch: launch failed";
   return nullptr;
 }

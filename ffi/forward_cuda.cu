@@ -192,7 +192,7 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
   }
 
   // 3. dispatch
-  if (const char* e = detail::launch_dispatch(p, a.x, a.row_pair, a.expert_offsets, xg, sms, stream)) return e;
+  if (const char* e = detail::launch_dispatch(p, a.x, a.row_pair, a.pair_row, a.expert_offsets, xg, sms, stream)) return e;
   if (!mark(2)) return "mok cuda forward: event record failed";
 
   // 4. gate/up + SwiGLU

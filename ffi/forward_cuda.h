@@ -55,8 +55,10 @@ const char* launch_schedule(const Problem& pr, const int32_t* topk_ids, const ui
                             int32_t* counts, int32_t* tile_expert, int32_t* flags, cudaStream_t stream,
                             int expert_base = 0, int all_experts = 0);  // ids outside [expert_base,
                             // expert_base + pr.experts) of [0, all_experts or pr.experts) are not routed here
-const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row_pair, const int32_t* expert_offsets,
-                            void* xg, int num_sms, cudaStream_t stream);
+// x's token rows into the padded expert-major rows xg (dispatch.cu), from the
+// schedule: row_pair (rows -> pairs), pair_row (pairs -> rows), expert_offsets.
+const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row_pair, const int32_t* pair_row,
+                            const int32_t* expert_offsets, void* xg, int num_sms, cudaStream_t stream);
 // The shared expert (no-op when Fs == 0): gate/up + SwiGLU and down GEMMs over all T tokens
 // (shared_out nullptr: the pre-activations only, for a backward that recomputes them).
 const char* launch_shared_expert(const Problem& p, const void* x, const uint8_t* token_mask, const void* ws_gate,

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The TMA-store epilogue (branch tma-store-epilogue) against the
-# register-to-global stores (MOK_CUDA_GEMM_TMA_STORE=0) in the same binaries,
-# which are built with -DMOK_GEMM_TMA_STORE=1. Steps (STEPS, default all, too
+# The not-yet-default variants against the validated defaults, in the same
+# binaries: the TMA-store epilogues (built with -DMOK_GEMM_TMA_STORE=1, off at
+# run time with MOK_CUDA_GEMM_TMA_STORE=0) and the token-major dispatch
+# gather (MOK_CUDA_DISPATCH=tokens, any build). Steps (STEPS, default all, too
 # many for one 600 s device call: run "fwd memcheck", then "pytest bwd", then "bench"):
 #   fwd      staged forward: SASS counts, correctness (with the no-residuals
-#            run), A/B at the 4 shapes, and the no-residuals forward timed
+#            run; also with the token-major dispatch), A/B at the 4 shapes,
+#            the no-residuals forward and the token-major dispatch timed
 #   memcheck compute-sanitizer memcheck of the staged forward, small case
 #   pytest   Python build with the TMA store (MOK_JAX_GEMM_TMA_STORE=ON, on by
 #            default in that build) + GPU pytest subset, through JAX
@@ -35,11 +37,18 @@ if has fwd; then
   cuobjdump --dump-sass $B/gemm_wgmma.o | grep -cE "UTMASTG" | sed 's/^/UTMASTG in gemm_wgmma: /'
   timeout 150 $B/forward_standalone --correctness --staged > "$L/corr.log" 2>&1; echo "corr rc $?"
   grep -cE "PASS" "$L/corr.log" | sed 's/^/PASS lines: /'; grep -E "FAIL|RESULT" "$L/corr.log" | head -5
+  MOK_CUDA_DISPATCH=tokens timeout 150 $B/forward_standalone --correctness --staged > "$L/corr_tokens.log" 2>&1
+  echo "corr (token-major dispatch) rc $?"; grep -E "FAIL|RESULT" "$L/corr_tokens.log" | head -5
   for s in 32768,2048,768,128,8 32768,4096,1024,128,8 4096,7168,2048,32,8 8192,4096,14336,8,2; do
     for v in 1 0 1 0; do
       echo "== tma_store=$v shape $s"
       MOK_CUDA_GEMM_TMA_STORE=$v timeout 60 $B/forward_standalone --timing --iters 20 --staged --shape $s > "$L/t.log" 2>&1
       grep -E "total   median|gate/up|determinism|error|FAIL" "$L/t.log" | cut -c1-160
+    done
+    for d in tokens rows; do  # the dispatch gather, token-major or row-major
+      echo "== dispatch=$d shape $s"
+      MOK_CUDA_DISPATCH=$d MOK_CUDA_GEMM_TMA_STORE=0 timeout 60 $B/forward_standalone --timing --iters 20 --staged --shape $s > "$L/t.log" 2>&1
+      grep -E "total   median|dispatch|determinism|error|FAIL" "$L/t.log" | cut -c1-160
     done
     for v in 1 0; do  # the inference forward: no gate/up pre-activations stored
       echo "== no-residuals tma_store=$v shape $s"
@@ -58,6 +67,9 @@ if has pytest; then
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
     -k "forward_small or forward_edge or layer_gradients or backward_edge or megakernel_equals or graphs or inference" > "$L/pytest.log" 2>&1
   tail -3 "$L/pytest.log"
+  MOK_CUDA_DISPATCH=tokens timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
+    -k "forward_small or forward_edge or backward_edge" > "$L/pytest_tokens.log" 2>&1
+  echo "token-major dispatch:"; tail -2 "$L/pytest_tokens.log"
 fi
 if has bwd; then
   for v in 0 1; do  # the backward's epilogue cost at shape 1: its stores dropped (probe 1) or not
@@ -74,6 +86,13 @@ if has bwd; then
   for m in 7 1 2 4; do
     MOK_CUDA_BWD_TMA_STORE=$m timeout 150 /tmp/ab_bwd_tma/backward_standalone --correctness > "$L/bwd_corr$m.log" 2>&1
     echo "bwd corr (epilogues $m) rc $?"; grep -E "FAIL|RESULT" "$L/bwd_corr$m.log" | head -5
+  done
+  MOK_CUDA_DISPATCH=tokens timeout 150 /tmp/ab_bwd0/backward_standalone --correctness > "$L/bwd_corr_tokens.log" 2>&1
+  echo "bwd corr (token-major dispatch) rc $?"; grep -E "FAIL|RESULT" "$L/bwd_corr_tokens.log" | head -5
+  for d in tokens rows; do
+    echo "== backward dispatch=$d"
+    MOK_CUDA_DISPATCH=$d timeout 90 /tmp/ab_bwd0/backward_standalone --timing --iters 20 > "$L/bwd_t.log" 2>&1
+    grep -E "backward median|prep\+gather" "$L/bwd_t.log" | cut -c1-200
   done
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 /tmp/ab_bwd_tma/backward_standalone --case odd_dims > "$L/bwd_memcheck.log" 2>&1
   echo "bwd memcheck rc $?"; grep -E "ERROR SUMMARY" "$L/bwd_memcheck.log"
