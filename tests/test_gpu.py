@@ -117,10 +117,12 @@ def test_cuda_forward_edge_cases(kind):
 
 @pytest.mark.parametrize("case", [(1029, 256, 392, 16, 4, 128), (2047, 2048, 768, 128, 8, 0)],
                          ids=["shared_masked", "qwen_slice"])
-def test_cuda_inference_forward_equals_the_training_forward(case):
-    """Not differentiated, the forward writes no gate/up pre-activations (the
-    act-only gate/up epilogue, also the shared expert's); its y is bitwise the
-    y of the differentiated forward, which keeps them."""
+def test_cuda_inference_forward_equals_the_training_forward(case, monkeypatch):
+    """Not differentiated (with CUDA_DROPS_RESIDUALS, forced on here), the
+    forward writes no gate/up pre-activations (the act-only gate/up epilogue,
+    also the shared expert's); its y is bitwise the y of the differentiated
+    forward, which keeps them."""
+    monkeypatch.setattr(_ffi, "CUDA_DROPS_RESIDUALS", True)
     T, H, F, E, K, Fs = case
     x, router, wg, wu, wd, shared = make_problem(T, H, F, E, BF16, Fs)
     aux = mok_jax.route(x, router, top_k=K)

@@ -11,7 +11,9 @@
 #   pytest   Python build with the TMA store (MOK_JAX_GEMM_TMA_STORE=ON, on by
 #            default in that build) + GPU pytest subset, through JAX
 #   bench    benchmarks.run, shapes 1-4, cuda + torch, fwd and fwd+bwd, in the
-#            same build with the TMA store on, then off (MOK_CUDA_GEMM_TMA_STORE=0)
+#            same build with the TMA store on, then off (MOK_CUDA_GEMM_TMA_STORE=0),
+#            both with every other pending variant on (token-major dispatch,
+#            inference forward without residuals)
 #   bwd      backward: epilogue probe 0/1, then the TMA-store epilogues
 #            (d_x dgrad, weight gradients, SwiGLU-backward dgrad): correctness
 #            of all three and of each alone (MOK_CUDA_BWD_TMA_STORE=1/2/4),
@@ -67,9 +69,9 @@ if has pytest; then
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
     -k "forward_small or forward_edge or layer_gradients or backward_edge or megakernel_equals or graphs or inference" > "$L/pytest.log" 2>&1
   tail -3 "$L/pytest.log"
-  MOK_CUDA_DISPATCH=tokens timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
-    -k "forward_small or forward_edge or backward_edge" > "$L/pytest_tokens.log" 2>&1
-  echo "token-major dispatch:"; tail -2 "$L/pytest_tokens.log"
+  MOK_CUDA_DISPATCH=tokens MOK_JAX_CUDA_DROP_RESIDUALS=1 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_gpu.py -k "forward_small or forward_edge or backward_edge" > "$L/pytest_tokens.log" 2>&1
+  echo "token-major dispatch + inference forward without residuals:"; tail -2 "$L/pytest_tokens.log"
 fi
 if has bwd; then
   for v in 0 1; do  # the backward's epilogue cost at shape 1: its stores dropped (probe 1) or not
@@ -103,9 +105,13 @@ if has bwd; then
   done
 fi
 if has bench; then  # needs the "pytest" step's build (MOK_JAX_GEMM_TMA_STORE=ON)
-  for v in 1 0; do
-    MOK_CUDA_GEMM_TMA_STORE=$v timeout 280 python3 -m benchmarks.run --shapes 1,2,3,4 --impls cuda,torch \
-      --passes fwd,fwd+bwd --sweep '' --no-plots --iters 20 --out "$L" --tag "bench_tma$v" > "$L/bench_tma$v.log" 2>&1
-    echo "== bench tma_store=$v rc $?"; grep -E "^\|" "$L/bench_tma$v.log" | head -20
+  # all pending variants on; the TMA store alone off; the validated defaults
+  for run in "all MOK_CUDA_GEMM_TMA_STORE=1 MOK_CUDA_DISPATCH=tokens MOK_JAX_CUDA_DROP_RESIDUALS=1" \
+             "notma MOK_CUDA_GEMM_TMA_STORE=0 MOK_CUDA_DISPATCH=tokens MOK_JAX_CUDA_DROP_RESIDUALS=1" \
+             "base MOK_CUDA_GEMM_TMA_STORE=0 MOK_CUDA_DISPATCH=rows MOK_JAX_CUDA_DROP_RESIDUALS=0"; do
+    set -- $run; tag=$1; shift
+    env "$@" timeout 180 python3 -m benchmarks.run --shapes 1,2,3,4 --impls cuda,torch --passes fwd,fwd+bwd \
+      --sweep '' --no-plots --iters 20 --out "$L" --tag "bench_$tag" > "$L/bench_$tag.log" 2>&1
+    echo "== bench $tag ($*) rc $?"; grep -E "^\| (qwen|sonic|dsv3|mixtral)" "$L/bench_$tag.log" | cut -d'|' -f2,5-8
   done
 fi
