@@ -47,6 +47,11 @@ __device__ __forceinline__ void pair(float2 gf, float2 uf, const float* gd2, flo
 // access by 8 lanes) hit distinct banks. Regions sit on 1 KB boundaries (the
 // swizzle repeats every 512 B).
 constexpr int kRegionBytes = 1024;
+#ifndef MOK_SWIGLU_BWD_AHEAD
+#define MOK_SWIGLU_BWD_AHEAD 2
+#endif
+constexpr int kAhead = MOK_SWIGLU_BWD_AHEAD;  // chunks of g, u loaded ahead (1..4)
+static_assert(kAhead >= 1 && kAhead <= 4, "MOK_SWIGLU_BWD_AHEAD: 1..4");
 constexpr int kRegions = 4;
 static_assert(kRegions * kRegionBytes <= tile::kTmaStgWarpBytes, "the SwiGLU ring must fit the warp's staging");
 
@@ -76,19 +81,22 @@ __device__ __forceinline__ void epilogue_tma(const float (&acc)[128], uint8_t* r
 #pragma unroll
   for (int gg = 0; gg < 4; ++gg) frag_off[gg] = frag_row + ((gg ^ sx) << 4);
   const int vec_off = (lane >> 2) * 64 + (((lane & 3) ^ sx) << 4);
-  // gu[0..1]: g of rows lane / 4 and 8 + lane / 4, columns 8 (lane % 4) + [0, 8)
-  // of the chunk; gu[2..3]: u, same places.
-  uint4 gu[4];
+  // gu[b][0..1]: g of rows lane / 4 and 8 + lane / 4, columns 8 (lane % 4) +
+  // [0, 8) of a chunk; gu[b][2..3]: u, same places. kAhead chunks in flight
+  // (buffer ch % kAhead): the loads' latency, not DRAM, bounds this epilogue.
+  uint4 gu[kAhead][4];
   auto load_gu = [&](int ch) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int row = wrow0 + (lane >> 2) + 8 * (i & 1), col = n_base + ch * 32 + (lane & 3) * 8;
-      gu[i] = make_uint4(0u, 0u, 0u, 0u);
+      uint4& v = gu[ch % kAhead][i];
+      v = make_uint4(0u, 0u, 0u, 0u);
       if (row < m && col < n)
-        gu[i] = __ldg(reinterpret_cast<const uint4*>((i < 2 ? gate_pre : up_pre) + static_cast<size_t>(row) * n + col));
+        v = __ldg(reinterpret_cast<const uint4*>((i < 2 ? gate_pre : up_pre) + static_cast<size_t>(row) * n + col));
     }
   };
-  load_gu(0);
+#pragma unroll
+  for (int ch = 0; ch < kAhead; ++ch) load_gu(ch);
 #pragma unroll  // acc[] indices and the regions must stay compile-time constants
   for (int ch = 0; ch < 8; ++ch) {
     uint8_t* rg = ring + ((3 * ch) % kRegions) * kRegionBytes;
@@ -99,9 +107,10 @@ __device__ __forceinline__ void epilogue_tma(const float (&acc)[128], uint8_t* r
     if (lane == 0) ptx::bulk_wait_group_read<2>();
     __syncwarp();
 #pragma unroll
-    for (int i = 0; i < 4; ++i) *reinterpret_cast<uint4*>((i < 2 ? rg : ru) + vec_off + 512 * (i & 1)) = gu[i];
+    for (int i = 0; i < 4; ++i)
+      *reinterpret_cast<uint4*>((i < 2 ? rg : ru) + vec_off + 512 * (i & 1)) = gu[ch % kAhead][i];
     __syncwarp();
-    if (ch + 1 < 8) load_gu(ch + 1);
+    if (ch + kAhead < 8) load_gu(ch + kAhead);
     uint32_t pa[4][2];
 #pragma unroll
     for (int gg = 0; gg < 4; ++gg) {

@@ -77,6 +77,8 @@ if has bwd; then
   for v in 0 1; do  # the backward's epilogue cost at shape 1: its stores dropped (probe 1) or not
     OUTDIR=/tmp/ab_bwd$v BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_GEMM_EPILOGUE_PROBE=$v bash tests/cuda/build_and_run_backward.sh > "$L/build_bwd$v.log" 2>&1 &
   done
+  OUTDIR=/tmp/ab_bwd_tma_a1 BUILD_ONLY=1 EXTRA_NVCC_FLAGS="-DMOK_GEMM_TMA_STORE=1 -DMOK_SWIGLU_BWD_AHEAD=1" \
+    bash tests/cuda/build_and_run_backward.sh > "$L/build_bwd_tma_a1.log" 2>&1 &
   OUTDIR=/tmp/ab_bwd_tma BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_GEMM_TMA_STORE=1 bash tests/cuda/build_and_run_backward.sh > "$L/build_bwd_tma.log" 2>&1 ||
     echo "BWD TMA BUILD FAILED"
   wait
@@ -103,6 +105,9 @@ if has bwd; then
     MOK_CUDA_BWD_TMA_STORE=$v timeout 90 /tmp/ab_bwd_tma/backward_standalone --timing --iters 20 > "$L/bwd_t.log" 2>&1
     grep -E "backward median|prep\+gather" "$L/bwd_t.log" | cut -c1-200
   done
+  echo "== backward tma, SwiGLU loads 1 chunk ahead (default 2)"
+  timeout 90 /tmp/ab_bwd_tma_a1/backward_standalone --timing --iters 20 > "$L/bwd_t.log" 2>&1
+  grep -E "backward median|prep\+gather" "$L/bwd_t.log" | cut -c1-200
 fi
 if has bench; then  # needs the "pytest" step's build (MOK_JAX_GEMM_TMA_STORE=ON)
   # all pending variants on; the TMA store alone off; the validated defaults
