@@ -1,6 +1,7 @@
 // Standalone test + benchmark of mok::cuda::backward (no JAX, no XLA).
 //
 //   backward_standalone [--correctness] [--small] [--case NAME] [--timing] [--timing-shared] [--iters N]
+//                       [--no-check]   (timing: skip the sampled check afterwards, for A/B loops)
 //
 // Residuals come from mok::cuda::forward (validated by forward_standalone).
 // Correctness: random bf16 inputs and dy (never zeros); every backward output and
@@ -605,6 +606,9 @@ static bool check_case(const Case& c, uint64_t seed, cudaStream_t st) {
   return ok;
 }
 
+// --no-check: the timing runs skip their sampled check (the correctness runs cover it).
+static bool g_no_check = false;
+
 static int run_timing(int iters, cudaStream_t st, bool with_shared) {
   Case c{"bench", 32768, 2048, 768, 128, 8, with_shared ? 2048 : 0, Routing::kUniform, 0.0, true};
   const Problem pr = make_problem(c);
@@ -666,6 +670,7 @@ static int run_timing(int iters, cudaStream_t st, bool with_shared) {
   for (auto& e : se.ev) CK(cudaEventDestroy(e));
   teardown(d);
   // sampled correctness + determinism at this shape (fresh inputs)
+  if (g_no_check) return 0;
   return check_case(c, 99, st) ? 0 : 1;
 }
 
@@ -681,6 +686,7 @@ int main(int argc, char** argv) {
     else if (a == "--timing-shared") shared_timing = true;
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (a == "--case" && i + 1 < argc) { only = argv[++i]; corr = true; small = true; }
+    else if (a == "--no-check") g_no_check = true;
   }
   if (!corr && !timing && !shared_timing) corr = timing = true;
   cudaDeviceProp prop;
