@@ -125,19 +125,19 @@ const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row
                             const int32_t* expert_offsets, void* xg, int num_sms, cudaStream_t stream) {
   const int64_t R = pr.row_capacity();
   const int64_t vec = pr.hidden / 8;
-  if (token_major_dispatch()) {
-    const int64_t groups = (R + 31) / 32;
-    const int64_t want = (pr.tokens + groups + kRowsPerBlock - 1) / kRowsPerBlock;
-    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t(num_sms) * 8)));
-    dispatch_tokens<<<grid, kThreads, 0, stream>>>(static_cast<const uint4*>(x), vec, static_cast<int>(pr.top_k),
-                                                   pr.tokens, pair_row, row_pair, expert_offsets + pr.experts, groups,
-                                                   static_cast<uint4*>(xg));
-  } else {
-    const int64_t want = (R + kRowsPerBlock - 1) / kRowsPerBlock;
-    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t(num_sms) * 8)));
-    dispatch_rows<<<grid, kThreads, 0, stream>>>(static_cast<const uint4*>(x), vec, static_cast<int>(pr.top_k),
-                                                 row_pair, expert_offsets + pr.experts, static_cast<uint4*>(xg));
-  }
+  const bool tokens = token_major_dispatch();
+  const int64_t groups = (R + 31) / 32;  // dispatch_tokens' padding items
+  const int64_t warp_items = tokens ? pr.tokens + groups : R;
+  const int64_t want = (warp_items + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t(num_sms) * 8)));
+  const uint4* src = static_cast<const uint4*>(x);
+  uint4* dst = static_cast<uint4*>(xg);
+  const int K = static_cast<int>(pr.top_k);
+  if (tokens)
+    dispatch_tokens<<<grid, kThreads, 0, stream>>>(src, vec, K, pr.tokens, pair_row, row_pair,
+                                                   expert_offsets + pr.experts, groups, dst);
+  else
+    dispatch_rows<<<grid, kThreads, 0, stream>>>(src, vec, K, row_pair, expert_offsets + pr.experts, dst);
   if (cudaGetLastError() != cudaSuccess) return "mok cuda dispatch: launch failed";
   return nullptr;
 }

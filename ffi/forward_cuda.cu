@@ -117,13 +117,10 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
   if (!aligned16(a.x) || !aligned16(a.y) || !aligned16(a.w_gate) || !aligned16(a.w_up) || !aligned16(a.w_down) ||
       !aligned16(a.gate_pre) || !aligned16(a.up_pre))
     return "mok cuda forward: tensors must be 16-byte aligned";
-  const bool has_shared = p.shared_ffn > 0;
   // gate_pre = up_pre = nullptr (and the shared expert's): a forward that keeps
-  // no residuals; the gate/up GEMMs then write the activation only.
-  if ((a.gate_pre == nullptr) != (a.up_pre == nullptr) ||
-      (has_shared && (a.shared_gate_pre == nullptr) != (a.gate_pre == nullptr)) ||
-      (has_shared && (a.shared_up_pre == nullptr) != (a.gate_pre == nullptr)))
-    return "mok cuda forward: the pre-activation results are kept all or none";
+  // no residuals (the handler's check_residuals takes all four or none); the
+  // gate/up GEMMs then write the activation only.
+  const bool has_shared = p.shared_ffn > 0;
   if (has_shared && (!aligned16(a.ws_gate) || !aligned16(a.ws_up) || !aligned16(a.ws_down) ||
                      !aligned16(a.shared_gate_pre) || !aligned16(a.shared_up_pre)))
     return "mok cuda forward: shared-expert tensors must be 16-byte aligned";

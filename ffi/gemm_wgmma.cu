@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
+#include <type_traits>
 
 #include "cuda_problem.h"
 #include "cuda_ptx.cuh"
@@ -62,13 +63,7 @@ bool make_map_a(CUtensorMap* m, const void* ptr, int64_t rows, int64_t k) {
 }
 
 bool make_map_b(CUtensorMap* m, const void* ptr, int64_t groups, int64_t k, int64_t n) {
-  cuuint64_t dims[3] = {static_cast<cuuint64_t>(n), static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(groups)};
-  cuuint64_t strides[2] = {static_cast<cuuint64_t>(n) * 2, static_cast<cuuint64_t>(k) * n * 2};
-  cuuint32_t box[3] = {64, tile::kBK, 1};
-  cuuint32_t estr[3] = {1, 1, 1};
-  return get_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(ptr), dims, strides, box, estr,
-                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return make_map_3d_rows(m, ptr, groups, k, n, 64, tile::kBK);
 }
 
 namespace {
@@ -464,12 +459,9 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   p.tma_store = tma_store ? 1 : 0;
 #endif
   if (tma_store) {
-    void* outs[3] = {a.out0, a.out0, a.out0};
-    if (fused) {  // gate/up not kept: their (unused) maps point at the activation
-      outs[0] = keep_pre ? a.out0 : a.out2;
-      outs[1] = keep_pre ? a.out1 : a.out2;
-      outs[2] = a.out2;
-    }
+    // Gate/up not kept: their (unused) maps point at the activation.
+    void* const act = fused ? a.out2 : a.out0;
+    void* outs[3] = {keep_pre ? a.out0 : act, fused && keep_pre ? a.out1 : act, act};
     for (int j = 0; j < 3; ++j)
       if (!make_map_2d(&tm_out[j], outs[j], a.m_rows, a.n, 64, 16))
         return "mok cuda gemm: tensor map (output) encode failed";
@@ -479,16 +471,14 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
 
   const int cluster = gemm_cluster_size();
   p.group_m = std::max(1, gemm_group_m() / cluster);
-  if (fused) {
-    if (!keep_pre) {
-      if (cluster == 2) return launch_kernel<true, 2, false>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
-      return launch_kernel<true, 1, false>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
-    }
-    if (cluster == 2) return launch_kernel<true, 2, true>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
-    return launch_kernel<true, 1, true>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
-  }
-  if (cluster == 2) return launch_kernel<false, 2, true>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
-  return launch_kernel<false, 1, true>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
+  auto go = [&](auto fused_c, auto keep_c) {
+    constexpr bool kF = decltype(fused_c)::value, kK = decltype(keep_c)::value;
+    return cluster == 2 ? launch_kernel<kF, 2, kK>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream)
+                        : launch_kernel<kF, 1, kK>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
+  };
+  using std::false_type, std::true_type;
+  if (!fused) return go(false_type{}, true_type{});
+  return keep_pre ? go(true_type{}, true_type{}) : go(true_type{}, false_type{});
 }
 
 }  // namespace mok::cuda

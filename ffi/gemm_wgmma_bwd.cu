@@ -72,9 +72,6 @@ struct BParams {
   __nv_bfloat16* out2;
   const uint64_t* row_dst;  // kSum2: per-row destinations, or nullptr
   float* part;
-#if MOK_GEMM_TMA_STORE
-  int tma_store;  // the epilogue stores through TMA (maps.out; not with row_dst)
-#endif
   // wgrad
   JobP job[3];
   int jobs;
@@ -426,13 +423,7 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() { return get_encoder(); }
 
 // 3-D [groups, n, k] bf16 (K-major B), box {64 k, 256 n, 1}.
 bool map_bk(CUtensorMap* m, const void* ptr, int64_t groups, int64_t n, int64_t k) {
-  cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(n), static_cast<cuuint64_t>(groups)};
-  cuuint64_t strides[2] = {static_cast<cuuint64_t>(k) * 2, static_cast<cuuint64_t>(k) * n * 2};
-  cuuint32_t box[3] = {kBK, kBN, 1};
-  cuuint32_t estr[3] = {1, 1, 1};
-  return encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(ptr), dims, strides, box, estr,
-                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return make_map_3d_rows(m, ptr, groups, n, k, kBK, kBN);
 }
 
 constexpr int64_t kMaxInt = (int64_t(1) << 31) - 1024;
@@ -454,11 +445,13 @@ const char* launch_as(const Maps& maps, BParams p, int num_sms, cudaStream_t str
   return nullptr;
 }
 
+// tma: the TMA-store kernel (maps.out filled; -DMOK_GEMM_TMA_STORE=1 builds only).
 template <int kMode>
-const char* launch(const Maps& maps, const BParams& p, int num_sms, cudaStream_t stream) {
+const char* launch(const Maps& maps, const BParams& p, bool tma, int num_sms, cudaStream_t stream) {
 #if MOK_GEMM_TMA_STORE
-  if (p.tma_store) return launch_as<kMode, true>(maps, p, num_sms, stream);
+  if (tma) return launch_as<kMode, true>(maps, p, num_sms, stream);
 #endif
+  (void)tma;
   return launch_as<kMode, false>(maps, p, num_sms, stream);
 }
 
@@ -524,16 +517,17 @@ const char* launch_dgrad_swiglu_bwd(const DgradArgs& a, int num_sms, cudaStream_
   p.out1 = static_cast<__nv_bfloat16*>(a.out1);
   p.out2 = static_cast<__nv_bfloat16*>(a.out2);
   p.part = a.part;
+  bool tma = false;
 #if MOK_GEMM_TMA_STORE
-  p.tma_store = bwd_tma_store(kSwiGLU) ? 1 : 0;
-  if (p.tma_store) {
+  tma = bwd_tma_store(kSwiGLU);
+  if (tma) {
     void* outs[3] = {a.out0, a.out1, a.out2};
     for (int j = 0; j < 3; ++j)
       if (!make_map_2d(&maps.out[j], outs[j], a.m_rows, a.n, 32, 16, CU_TENSOR_MAP_SWIZZLE_64B))
         return "mok cuda bwd gemm: tensor map (output) encode failed";
   }
 #endif
-  return launch<kSwiGLU>(maps, p, num_sms, stream);
+  return launch<kSwiGLU>(maps, p, tma, num_sms, stream);
 }
 
 const char* launch_dgrad_sum2(const DgradArgs& a, int num_sms, cudaStream_t stream) {
@@ -542,12 +536,13 @@ const char* launch_dgrad_sum2(const DgradArgs& a, int num_sms, cudaStream_t stre
   if (const char* e = dgrad_common(a, true, maps, p)) return e[0] == 'e' ? nullptr : e;
   p.row_dst = a.row_dst;
   // TMA-store epilogue (-DMOK_GEMM_TMA_STORE=1 builds): boxes of 64 columns x 16 rows of out0.
+  bool tma = false;
 #if MOK_GEMM_TMA_STORE
-  p.tma_store = a.row_dst == nullptr && bwd_tma_store(kSum2) ? 1 : 0;
-  if (p.tma_store && !make_map_2d(&maps.out[0], a.out0, a.m_rows, a.n, 64, 16))
+  tma = a.row_dst == nullptr && bwd_tma_store(kSum2);
+  if (tma && !make_map_2d(&maps.out[0], a.out0, a.m_rows, a.n, 64, 16))
     return "mok cuda bwd gemm: tensor map (output) encode failed";
 #endif
-  return launch<kSum2>(maps, p, num_sms, stream);
+  return launch<kSum2>(maps, p, tma, num_sms, stream);
 }
 
 const char* launch_wgrad(const WgradArgs& a, int num_sms, cudaStream_t stream) {
@@ -560,6 +555,10 @@ const char* launch_wgrad(const WgradArgs& a, int num_sms, cudaStream_t stream) {
   std::memset(&maps, 0, sizeof(maps));
   std::memset(&p, 0, sizeof(p));
   int64_t units = 0;
+  bool tma = false;
+#if MOK_GEMM_TMA_STORE
+  tma = bwd_tma_store(kWgrad);
+#endif
   for (int j = 0; j < a.jobs; ++j) {
     const WgradJob& jb = a.job[j];
     if (jb.m <= 0 || jb.n <= 0 || jb.m % 8 != 0 || jb.n % 8 != 0 || jb.m > kMaxInt || jb.n > kMaxInt)
@@ -579,18 +578,15 @@ const char* launch_wgrad(const WgradArgs& a, int num_sms, cudaStream_t stream) {
 #if MOK_GEMM_TMA_STORE
     // TMA-store epilogue: boxes of 64 columns x 16 rows of out[g], clipped at
     // each matrix's last row.
-    if (bwd_tma_store(kWgrad) && !make_map_3d_rows(&maps.out[j], jb.out, a.groups, jb.m, jb.n, 64, 16))
+    if (tma && !make_map_3d_rows(&maps.out[j], jb.out, a.groups, jb.m, jb.n, 64, 16))
       return "mok cuda wgrad: tensor map (output) encode failed";
 #endif
   }
-#if MOK_GEMM_TMA_STORE
-  p.tma_store = bwd_tma_store(kWgrad) ? 1 : 0;
-#endif
   p.jobs = a.jobs;
   p.rows = static_cast<int>(a.rows);
   p.offsets = a.offsets;
   p.units = static_cast<int>(units);
-  return launch<kWgrad>(maps, p, num_sms, stream);
+  return launch<kWgrad>(maps, p, tma, num_sms, stream);
 }
 
 }  // namespace mok::cuda

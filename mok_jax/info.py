@@ -48,7 +48,7 @@ def cuda_build_options():
     """The CUDA module's compile-time variants ({} when it is not built): e.g.
     gemm_tma_store, the GEMMs' TMA-store epilogues (MOK_JAX_GEMM_TMA_STORE=ON)."""
     from mok_jax import _ffi
-    if not _ffi.cuda_built() or not hasattr(_ffi._mok_cuda, "build_options"):
+    if not _ffi.cuda_built():
         return {}
     return dict(_ffi._mok_cuda.build_options())
 
