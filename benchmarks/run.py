@@ -10,8 +10,9 @@ Shapes (``--shapes``, comma-separated): an issue-3 GPU shape id (1-4, see
 Implementations (``--impls``): ``cpu`` / ``cuda`` (mok_jax's FFI kernels),
 ``xla`` (mok_jax's pure-JAX reference), ``auto``, ``torch``
 (``torch._grouped_mm`` with the same routing, GPU only, when importable),
-``cuda-megakernel`` (the CUDA backend's persistent megakernel instead of its
-default staged kernels), and the expert-parallel layer
+``cuda-megakernel`` (the CUDA backend's persistent forward megakernel instead
+of its default staged kernels), ``cuda-bwd-megakernel`` (staged forward, the
+persistent backward megakernel), and the expert-parallel layer
 (`mok_jax.experts_parallel`) over a mesh of the first ``--ep`` devices (default
 1: a peer table of one): ``cuda-peer`` / ``cpu-peer`` (``dispatch="peer"``)
 and ``cuda-collective`` / ``cpu-collective`` (``dispatch="collective"``),
@@ -74,16 +75,21 @@ CPU_SHAPES = {
 PASSES = ("fwd", "bwd", "fwd+bwd")
 ROUTINGS = ("uniform", "zipf", "all-to-one")
 EP_IMPLS = ("cuda-peer", "cuda-collective", "cpu-peer", "cpu-collective")
-IMPLS = ("auto", "cpu", "cuda", "cuda-megakernel", *EP_IMPLS, "xla", "torch")
+IMPLS = ("auto", "cpu", "cuda", "cuda-megakernel", "cuda-bwd-megakernel", *EP_IMPLS, "xla", "torch")
 
 
 def experts_call(impl, ep=1):
     """f(x, ids, w, wg, wu, wd) -> y of a benchmark implementation name:
     "cuda-megakernel" is the CUDA backend with the persistent megakernel
-    (MegakernelConfig(persistent=True)) instead of the default staged kernels;
+    (MegakernelConfig(persistent=True)) instead of the default staged kernels,
+    "cuda-bwd-megakernel" the staged forward with the persistent backward
+    megakernel (MegakernelConfig(persistent_backward=True));
     "<kernel>-<dispatch>" the expert-parallel layer over the first ``ep`` devices."""
     if impl == "cuda-megakernel":
         kw = {"implementation": "cuda", "megakernel": mok_jax.MegakernelConfig(persistent=True)}
+    elif impl == "cuda-bwd-megakernel":
+        kw = {"implementation": "cuda",
+              "megakernel": mok_jax.MegakernelConfig(persistent_backward=True)}
     elif impl in EP_IMPLS:
         from mok_jax import parallel
         kernel, dispatch = impl.split("-")

@@ -35,19 +35,21 @@
 #include "cuda_problem.h"
 #include "forward_cuda.h"
 #include "gemm_wgmma.cuh"
+#include "megakernel_bwd.cuh"
 
 namespace mok::cuda {
 namespace {
 
 struct Layout {
-  size_t tile_expert, part, xs, dys, aw, saw, sdx, total;
+  size_t tile_expert, part, xs, dys, aw, saw, sdx, counters, total;
+  bool megakernel;       // the GEMMs run as one persistent kernel (megakernel_bwd.cuh)
   bool rows_in_outputs;  // dys, aw and dxs live in dW_gate's buffer (see the top of the file)
   bool xs_in_workspace;  // else xs is gathered into dW_up's buffer, then into the spent dg rows
 };
 
 int64_t f_tiles(const Problem& p) { return (p.ffn + 255) / 256; }
 
-Layout make_layout(const Problem& p) {
+Layout make_layout(const Problem& p, bool megakernel) {
   Layout L{};
   WorkspaceCarver ws;
   auto take = [&](size_t bytes) { return ws.take(bytes); };
@@ -57,7 +59,10 @@ Layout make_layout(const Problem& p) {
   L.tile_expert = take(R / static_cast<size_t>(p.tile_rows) * sizeof(int32_t));
   L.part = take(R * static_cast<size_t>(f_tiles(p)) * sizeof(float));
   const size_t E = static_cast<size_t>(p.experts);
-  L.rows_in_outputs = R * (H + F) <= E * H * F;
+  // The megakernel runs every GEMM at once, so no row buffer can wait in a
+  // weight gradient's output for its turn: the rows stay in the workspace.
+  L.megakernel = megakernel;
+  L.rows_in_outputs = !L.megakernel && R * (H + F) <= E * H * F;
   L.xs_in_workspace = !L.rows_in_outputs || H > F;
   if (L.xs_in_workspace) L.xs = take(R * H * 2);
   if (!L.rows_in_outputs) {
@@ -68,6 +73,7 @@ Layout make_layout(const Problem& p) {
     L.saw = take(T * Fs * 2);
     L.sdx = take(T * H * 2);
   }
+  if (L.megakernel) L.counters = take(backward_megakernel_counter_bytes(p));
   L.total = ws.total();
   return L;
 }
@@ -139,12 +145,14 @@ __global__ void __launch_bounds__(kCombThreads) combine_bwd(int64_t T, int64_t v
 
 }  // namespace
 
-size_t backward_workspace_bytes(const Problem& problem) {
+size_t backward_workspace_bytes(const Problem& problem, bool megakernel) {
   if (unsupported_problem(problem) != nullptr) return 0;
-  return make_layout(problem).total;
+  return make_layout(problem, megakernel).total;
 }
 
-bool backward_rows_in_outputs(const Problem& problem) { return make_layout(problem).rows_in_outputs; }
+bool backward_rows_in_outputs(const Problem& problem, bool megakernel) {
+  return make_layout(problem, megakernel).rows_in_outputs;
+}
 
 namespace detail {
 
@@ -211,7 +219,7 @@ const char* launch_combine_bwd(const Problem& p, const uint8_t* token_mask, cons
 }  // namespace detail
 
 const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, cudaStream_t stream,
-                     const BackwardStageEvents* ev) {
+                     const BackwardStageEvents* ev, bool megakernel) {
   if (const char* e = unsupported_problem(p)) return e;
   if (workspace == nullptr || !aligned16(workspace)) return "mok cuda backward: workspace missing or misaligned";
   const ForwardArgs& f = a.fwd;
@@ -232,7 +240,7 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
     return "mok cuda backward: cannot query device";
 
-  const Layout L = make_layout(p);
+  const Layout L = make_layout(p, megakernel);
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   int32_t* tile_expert = reinterpret_cast<int32_t*>(ws + L.tile_expert);
   float* part = reinterpret_cast<float*>(ws + L.part);
@@ -263,8 +271,8 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
   }
   if (!mark(1)) return "mok cuda backward: event record failed";
 
-  // 2. dgrad-down + SwiGLU backward
-  {
+  // 2. dgrad-down + SwiGLU backward (a phase of the megakernel when it runs)
+  if (!L.megakernel) {
     DgradArgs g;
     g.a0 = dys;
     g.m_rows = R;
@@ -292,8 +300,6 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
   }
   if (!mark(2)) return "mok cuda backward: event record failed";
 
-  // 3. weight gradients (K = each expert's padded rows; padding rows are zero):
-  // all three here, or only dW_down when the rows live in dW_gate's buffer.
   auto expert_wgrad = [&](std::initializer_list<WgradJob> jobs) -> const char* {
     WgradArgs w;
     for (const WgradJob& j : jobs) w.job[w.jobs++] = j;
@@ -302,16 +308,42 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
     w.offsets = f.expert_offsets;
     return launch_wgrad(w, sms, stream);
   };
-  if (const char* e = L.rows_in_outputs
-                          ? expert_wgrad({WgradJob{aw, F, dys, H, a.dw_down}})
-                          : expert_wgrad({WgradJob{xs, H, dg, F, a.dw_gate}, WgradJob{xs, H, du, F, a.dw_up},
-                                          WgradJob{aw, F, dys, H, a.dw_down}}))
-    return e;
-  if (!mark(3)) return "mok cuda backward: event record failed";
+  void* dxs = dys;  // dxs goes over the spent dy rows (dW_gate's buffer when the rows live there)
+  if (L.megakernel) {
+    // 2-4. the dgrad-down, the weight gradients and dxs in one persistent launch
+    BackwardMegakernelArgs m;
+    m.expert_offsets = f.expert_offsets;
+    m.tile_expert = tile_expert;
+    m.row_pair = f.row_pair;
+    m.topk_weights = f.topk_weights;
+    m.xs = xs;
+    m.dys = dys;
+    m.w_gate = f.w_gate;
+    m.w_up = f.w_up;
+    m.w_down = f.w_down;
+    m.gate_pre = f.gate_pre;
+    m.up_pre = f.up_pre;
+    m.dg = dg;
+    m.du = du;
+    m.aw = aw;
+    m.part = part;
+    m.dw_gate = a.dw_gate;
+    m.dw_up = a.dw_up;
+    m.dw_down = a.dw_down;
+    m.counters = reinterpret_cast<int32_t*>(ws + L.counters);
+    if (const char* e = launch_backward_megakernel(p, m, sms, stream)) return e;
+    if (!mark(3) || !mark(4)) return "mok cuda backward: event record failed";
+  } else {
+    // 3. weight gradients (K = each expert's padded rows; padding rows are zero):
+    // all three here, or only dW_down when the rows live in dW_gate's buffer.
+    if (const char* e = L.rows_in_outputs
+                            ? expert_wgrad({WgradJob{aw, F, dys, H, a.dw_down}})
+                            : expert_wgrad({WgradJob{xs, H, dg, F, a.dw_gate}, WgradJob{xs, H, du, F, a.dw_up},
+                                            WgradJob{aw, F, dys, H, a.dw_down}}))
+      return e;
+    if (!mark(3)) return "mok cuda backward: event record failed";
 
-  // 4. dxs = dg @ w_gate^T + du @ w_up^T  (into the dys buffer, no longer needed)
-  void* dxs = dys;  // dW_gate's buffer when the rows live there
-  {
+    // 4. dxs = dg @ w_gate^T + du @ w_up^T  (into the dys buffer, no longer needed)
     DgradArgs g;
     g.a0 = dg;
     g.a1 = du;
@@ -324,8 +356,8 @@ const char* backward(const Problem& p, const BackwardArgs& a, void* workspace, c
     g.tile_group = tile_expert;
     g.out0 = dxs;
     if (const char* e = launch_dgrad_sum2(g, sms, stream)) return e;
+    if (!mark(4)) return "mok cuda backward: event record failed";
   }
-  if (!mark(4)) return "mok cuda backward: event record failed";
 
   // 5. combine dx and d_topk_weights
   if (const char* e = detail::launch_combine_bwd(p, f.token_mask, f.pair_row, dxs, shared_rows ? ws + L.sdx : nullptr,

@@ -27,24 +27,29 @@
 namespace mok::cuda {
 
 // Bytes of device scratch `backward` needs (0 = unsupported problem).
-size_t backward_workspace_bytes(const Problem& problem);
+// `megakernel`: the GEMMs run as the persistent backward megakernel
+// (megakernel_bwd.cuh) instead of the staged kernels; the layout depends on it,
+// so size and run with the same value.
+size_t backward_workspace_bytes(const Problem& problem, bool megakernel = false);
 
 // Whether the gathered rows (dys, a_w, dxs, and xs when H <= F) live in the
-// weight-gradient outputs rather than the workspace (R (H + F) <= E H F).
-bool backward_rows_in_outputs(const Problem& problem);
+// weight-gradient outputs rather than the workspace (R (H + F) <= E H F, and
+// never with the backward megakernel, whose GEMMs all run at once).
+bool backward_rows_in_outputs(const Problem& problem, bool megakernel = false);
 
 // Optional per-stage timing: ev[0] start, ev[1] after prep+gathers, ev[2] after
 // the dgrad-down GEMMs, ev[3] after the wgrad GEMMs (only dW_down's when
 // backward_rows_in_outputs), ev[4] after the gate/up dgrad GEMMs, ev[5] after
-// combine (and the late gate/up wgrads).
+// combine (and the late gate/up wgrads). With the backward megakernel, ev[2] to
+// ev[3] is the megakernel (all three GEMM stages) and the others around it are empty.
 struct BackwardStageEvents {
   cudaEvent_t ev[6];
 };
 
 // Runs the backward on `stream`. Returns nullptr on success, else a static
-// error string.
+// error string. `megakernel` as for backward_workspace_bytes (same value).
 const char* backward(const Problem& problem, const BackwardArgs& args, void* workspace, cudaStream_t stream,
-                     const BackwardStageEvents* stage_events = nullptr);
+                     const BackwardStageEvents* stage_events = nullptr, bool megakernel = false);
 
 namespace detail {
 // The shared expert's backward over the T tokens (used by `backward` and the

@@ -102,14 +102,15 @@ ffi::Error BackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf 
                         Buf pair_row, Buf gate_pre, Buf up_pre, Buf sgate_pre, Buf sup_pre, Ret dx,
                         Ret dw, Ret dwg, Ret dwu, Ret dwd, Ret dwsg, Ret dwsu, Ret dwsd,
                         Ret workspace, Ret d_gate_rows, Ret d_up_rows, Ret d_shared_gate,
-                        Ret d_shared_up) {
+                        Ret d_shared_up, int32_t persistent) {
   count_capture(stream);
+  const bool megakernel = persistent != 0;  // MegakernelConfig.persistent_backward
   return run_backward(
       dy, Inputs{x, ids, w, mask, wg, wu, wd, wsg, wsu, wsd},
       Residuals{offsets, row_pair, pair_row, gate_pre, up_pre, sgate_pre, sup_pre},
       Gradients{dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd}, [&](const Problem& p, const BackwardArgs& args) -> std::string {
         if (p.dtype != DType::kBF16) return "the CUDA backend supports bfloat16 only";
-        const size_t need = cuda::backward_workspace_bytes(p);
+        const size_t need = cuda::backward_workspace_bytes(p, megakernel);
         if (workspace->size_bytes() < need)
           return "workspace has " + std::to_string(workspace->size_bytes()) + " bytes, needs " +
                  std::to_string(need);
@@ -124,7 +125,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, Buf dy, Buf x, Buf ids, Buf w, Buf 
         a.d_up_rows = d_up_rows->untyped_data();
         a.d_shared_gate = d_shared_gate->untyped_data();
         a.d_shared_up = d_shared_up->untyped_data();
-        if (const char* err = cuda::backward(p, a, workspace->untyped_data(), stream)) return err;
+        if (const char* err = cuda::backward(p, a, workspace->untyped_data(), stream, nullptr, megakernel)) return err;
         return {};
       });
 }
@@ -252,7 +253,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<mok::Buf>()   // + d_gate_rows [R, F], aliased with gate_pre
         .Ret<mok::Buf>()   // + d_up_rows [R, F], aliased with up_pre
         .Ret<mok::Buf>()   // + d_shared_gate [T, Fs], aliased with shared_gate_pre
-        .Ret<mok::Buf>(),  // + d_shared_up [T, Fs], aliased with shared_up_pre
+        .Ret<mok::Buf>()   // + d_shared_up [T, Fs], aliased with shared_up_pre
+        .Attr<int32_t>("persistent"),  // 1: the backward megakernel (megakernel_bwd.cuh)
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -283,8 +285,10 @@ NB_MODULE(_mok_cuda, m) {
         mok::bf16_problem(T, H, F, E, K, Fs),
         mok::cuda::MegakernelConfig{persistent, dispatch_ctas, minibatch_rows, ring_rows});
   });
-  m.def("backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs) {
-    return mok::cuda::backward_workspace_bytes(mok::bf16_problem(T, H, F, E, K, Fs));
+  // persistent: the backward megakernel's layout (MegakernelConfig.persistent_backward).
+  m.def("backward_workspace_bytes", [](int64_t T, int64_t H, int64_t F, int64_t E, int64_t K, int64_t Fs,
+                                       bool persistent) {
+    return mok::cuda::backward_workspace_bytes(mok::bf16_problem(T, H, F, E, K, Fs), persistent);
   });
   // peer_forward_workspace_bytes(T_local, H, F, E, K, Fs, ranks, round_rows,
   // staged): 0 when rejected; round_rows 0 = the default

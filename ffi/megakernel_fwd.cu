@@ -11,6 +11,7 @@
 #include "cuda_ptx.cuh"
 #include "gemm_tile.cuh"
 #include "gemm_wgmma.cuh"
+#include "megakernel_sync.cuh"
 
 namespace mok::cuda {
 namespace {
@@ -32,10 +33,6 @@ constexpr int kTaskSlots = 2;           // task hand-over ring (producer -> cons
 constexpr int kDispatchWarps = kThreads / 32;
 constexpr int kConsumerThreads = 256;
 constexpr int kCombineBarrier = 2;      // producer warp -> consumers: every down task is done
-// A wait that lasts this long means a broken protocol (or a lost peer at
-// EP > 1): flag it and trap rather than hang.
-constexpr uint64_t kWaitTimeoutNs = 20ull * 1000 * 1000 * 1000;
-
 struct MegaParams {
   const uint4* peer_x[kMaxPeers];
   int64_t tokens_per_peer;
@@ -61,26 +58,8 @@ struct MegaParams {
 };
 
 // ------------------------------------------------------------ sync helpers
-__device__ __forceinline__ int ld_acquire(const int32_t* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release(int32_t* p, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void red_release_add(int32_t* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-// Orders this thread's acquired view before its later async-proxy (TMA) reads.
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using namespace sync;
+
 // The producer warp waits for the last down task (a spin loop in the
 // consumers' code, after their task loop, made ptxas spill ~300 B per thread
 // at the 168-register cap) and releases the consumers into the combine.
@@ -89,21 +68,6 @@ __device__ __forceinline__ void combine_bar_arrive() {
 }
 __device__ __forceinline__ void combine_bar_sync() {
   asm volatile("bar.sync %0, %1;" ::"n"(kCombineBarrier), "n"(kConsumerThreads + 32) : "memory");
-}
-
-// Spins until *p >= target (acquire). Traps after kWaitTimeoutNs with flags bit 1.
-__device__ __forceinline__ void wait_at_least(const int32_t* p, int target, int32_t* flags) {
-  if (ld_acquire(p) >= target) return;
-  const uint64_t t0 = global_ns();
-  for (;;) {
-    __nanosleep(128);
-    if (ld_acquire(p) >= target) return;
-    if (global_ns() - t0 > kWaitTimeoutNs) {
-      atomicOr(flags, 2);
-      __threadfence_system();
-      __trap();
-    }
-  }
 }
 
 // ------------------------------------------------------------ task order

@@ -182,11 +182,14 @@ _BWD_PRE_OPERANDS = (14, 15, 16, 17)
 _BWD_PRE_RESULTS = (9, 10, 11, 12)
 
 
-def backward_call(platform, dy, inputs, residuals):
+def backward_call(platform, dy, inputs, residuals, megakernel=None):
+    """megakernel: a MegakernelConfig or None; its persistent_backward picks
+    the CUDA backward's megakernel (the CPU target ignores it)."""
     x, ids = inputs[0], inputs[1]
     types = backward_result_types(x, ids, inputs[4:])
-    aliases = {}
+    aliases, attrs = {}, {}
     if platform == "cuda":
+        attrs = (megakernel or MegakernelConfig()).backward_ffi_attrs()
         # The device workspace is one more XLA-owned output; four more results
         # alias the gate/up residuals, which the backward overwrites with the
         # gate/up gradient rows (they are spent by then): 2 R F + 2 T Fs
@@ -196,13 +199,15 @@ def backward_call(platform, dy, inputs, residuals):
         wg, wsg = inputs[4], inputs[7]
         E, _, F = wg.shape
         Fs = wsg.shape[1]
-        nbytes = _mok_cuda.backward_workspace_bytes(T, H, F, E, ids.shape[1], Fs)
+        # The workspace layout depends on the mode (the megakernel keeps every row there).
+        nbytes = _mok_cuda.backward_workspace_bytes(T, H, F, E, ids.shape[1], Fs,
+                                                    bool(attrs["persistent"]))
         pre = residuals[3:7]  # gate_pre, up_pre, shared_gate_pre, shared_up_pre
         types = (*types, _result((nbytes,), np.uint8, x), *(jax.typeof(r) for r in pre))
         n_alias = 4 if Fs > 0 else 2  # zero-size shared buffers stay unaliased
         aliases = dict(zip(_BWD_PRE_OPERANDS[:n_alias], _BWD_PRE_RESULTS[:n_alias]))
     outs = jax.ffi.ffi_call(f"mok_experts_bwd_{platform}", types, vmap_method="sequential",
-                            input_output_aliases=aliases)(dy, *inputs, *residuals)
+                            input_output_aliases=aliases)(dy, *inputs, *residuals, **attrs)
     return outs[:8]
 
 

@@ -16,7 +16,7 @@ MAX_RING_ROWS = 2 ** 30
 
 @dataclasses.dataclass(frozen=True)
 class MegakernelConfig:
-    """How the CUDA forward kernel is run (``implementation="cuda"`` only).
+    """How the CUDA kernels are run (``implementation="cuda"`` only).
 
     Every knob trades speed or memory only: the results do not depend on it
     (every token is computed whatever the ring size, the combine order is
@@ -36,6 +36,16 @@ class MegakernelConfig:
         ring buffer while compute CTAs run the expert GEMMs on the rows
         already there; the three knobs below tune it and need
         ``persistent=True``.
+      persistent_backward: False (default): the backward's GEMMs run as the
+        staged kernels (dgrad-down + SwiGLU backward, the weight gradients,
+        dgrad gate+up), one launch each. True: they run as one persistent
+        backward megakernel whose CTAs claim the same tiles from an atomic
+        ticket in MoK's task order, each waiting on per-expert counters
+        (no host sync); the gradients are bitwise those of the staged path
+        (tested). Slower today: 11.6 ms against the staged 10.1 ms for the
+        whole backward at the Qwen3-30B-A3B shape on an H100
+        (benchmarks/RESULTS.md), and its gathered rows always take
+        workspace. The expert-parallel peer backward ignores it (staged).
       dispatch_ctas: CTAs that start in the dispatch role, in ``[1, 64]``;
         None = the library default (16). More pull rows faster but start
         fewer compute CTAs (they join the compute once the dispatch is done).
@@ -59,11 +69,13 @@ class MegakernelConfig:
     dispatch_ctas: int | None = None
     minibatch_rows: int | None = None
     ring_rows: int | None = None
+    persistent_backward: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.persistent, (bool, np.bool_)):
-            raise TypeError("MegakernelConfig.persistent must be a bool, got "
-                            f"{type(self.persistent).__name__}")
+        for name in ("persistent", "persistent_backward"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"MegakernelConfig.{name} must be a bool, got "
+                                f"{type(getattr(self, name)).__name__}")
         _check_int("dispatch_ctas", self.dispatch_ctas)
         _check_int("minibatch_rows", self.minibatch_rows)
         _check_int("ring_rows", self.ring_rows)
@@ -85,6 +97,7 @@ class MegakernelConfig:
                              f"(and at least it), got ring_rows={ring}, minibatch_rows={mb}")
         # Normalise numpy scalars so that equal configs hash (and jit-cache) equally.
         object.__setattr__(self, "persistent", bool(self.persistent))
+        object.__setattr__(self, "persistent_backward", bool(self.persistent_backward))
         for name in ("dispatch_ctas", "minibatch_rows", "ring_rows"):
             v = getattr(self, name)
             if v is not None:
@@ -97,6 +110,10 @@ class MegakernelConfig:
                 "dispatch_ctas": np.int32(self.dispatch_ctas or 0),
                 "minibatch_rows": np.int32(self.minibatch_rows or 0),
                 "ring_rows": np.int32(self.ring_rows or 0)}
+
+    def backward_ffi_attrs(self):
+        """The FFI attributes of ``mok_experts_bwd_cuda``."""
+        return {"persistent": np.int32(1 if self.persistent_backward else 0)}
 
 
 def _check_int(name, value):

@@ -49,10 +49,11 @@ def _experts_ffi_fwd(platform, megakernel, *inputs):
     return y, (inputs, residuals)
 
 
-def _experts_ffi_bwd(platform, megakernel, saved, dy):  # the backward has no knobs
+def _experts_ffi_bwd(platform, megakernel, saved, dy):
     inputs, residuals = saved
     (dy, *inputs), _ = _ffi.reconcile_varying([dy, *inputs])
-    dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd = _ffi.backward_call(platform, dy, inputs, residuals)
+    dx, dw, dwg, dwu, dwd, dwsg, dwsu, dwsd = _ffi.backward_call(platform, dy, inputs, residuals,
+                                                                        megakernel=megakernel)
     return dx, None, dw, None, dwg, dwu, dwd, dwsg, dwsu, dwsd
 
 
@@ -109,7 +110,8 @@ def experts(x, topk_ids, topk_weights, w_gate, w_up, w_down, *, shared_experts=N
         not dispatched and whose output is exactly zero.
       implementation: "auto", "xla", "cpu" or "cuda" (see `moe_layer`).
       megakernel: None or a `mok_jax.MegakernelConfig`: how the CUDA forward
-        runs (persistent megakernel or staged kernels, ring size, ...). Ignored
+        and backward run (persistent megakernels or staged kernels, ring size,
+        ...). Ignored
         by "cpu" and "xla"; it never changes the result.
       recompute: False (default) keeps the forward's residuals (x's routed
         rows are not kept: the gate/up pre-activations and the schedule, see

@@ -198,7 +198,7 @@ def _local_backward(impl, dy, inputs, megakernel=None):
         g = vjp(dy)
         return g[0], g[2], *g[4:]
     _, *residuals = _ffi.forward_call(impl, inputs, megakernel=megakernel)
-    return tuple(_ffi.backward_call(impl, dy, inputs, residuals))
+    return tuple(_ffi.backward_call(impl, dy, inputs, residuals, megakernel=megakernel))
 
 
 def _shared_inputs(impl, x, mask_u8, wsg, wsu, wsd):

@@ -55,3 +55,19 @@ def test_variant_compiles_without_spills(flag, source, kernel, tmp_path):
     # default SwiGLU-backward kernel keeps 16 bytes on the stack.
     assert all(stack <= 16 and spill == 0 for stack, spill in kernels.values()), \
         f"{flag} {source}: (stack, spill) bytes {kernels}"
+
+
+@pytest.mark.parametrize("inline", [0, 1])
+def test_backward_megakernel_register_budget(inline, tmp_path):
+    """The persistent backward megakernel (megakernel_bwd.cu), both builds of
+    its consume task: inlined (the default, measured faster) within a small
+    spill budget (152 bytes today), not inlined with no spills anywhere."""
+    spills = compile_kernels("megakernel_bwd.cu", [f"-DMOK_BWD_MEGAKERNEL_INLINE={inline}"], tmp_path)
+    kernels = {k: v for k, v in spills.items() if "moe_backward_megakernel" in k}
+    assert len(kernels) == 1, f"ptxas reported {sorted(spills)}"
+    if inline:
+        (stack, spill), = kernels.values()
+        assert stack <= 128 and spill <= 256, f"(stack, spill) bytes {kernels}"
+    else:
+        # the kernel, the three consume tasks and the ticket decoder
+        assert len(spills) >= 4 and all(v == (0, 0) for v in spills.values()), spills

@@ -286,6 +286,63 @@ def test_megakernel_edge_cases_tiny_ring(kind):
         assert_close("y", y, want, BF16)
 
 
+# ---------------------------------------------------------------- backward megakernel
+def _grads_cfg(cfg, x, ids, w, wg, wu, wd, shared, mask, cot):
+    def loss(x, w, wg, wu, wd, sh):
+        y = mok_jax.experts(x, ids, w, wg, wu, wd, shared_experts=sh, token_mask=mask,
+                            implementation="cuda", megakernel=cfg)
+        return jnp.sum(y.astype(jnp.float32) * cot)
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))(x, w, wg, wu, wd, shared)
+    return [np.asarray(a) for a in jax.tree.leaves(g)]
+
+
+BWD_MEGA = mok_jax.MegakernelConfig(persistent_backward=True)
+
+
+def _check_backward_megakernel(x, ids, w, wg, wu, wd, shared=None, mask=None):
+    """The backward megakernel claims the staged kernels' tiles in ticket order
+    and computes each with the same instructions and reduction order, so every
+    gradient must be bitwise the staged one (which the tests above check
+    against the float32 reference), and reproducible."""
+    cot = jax.random.normal(fresh_key(), x.shape, jnp.float32)
+    args = (x, ids, w, wg, wu, wd, shared, mask, cot)
+    want = _grads_cfg(None, *args)
+    got = _grads_cfg(BWD_MEGA, *args)
+    got2 = _grads_cfg(BWD_MEGA, *args)
+    assert len(got) == len(want) == (8 if shared is not None else 5)
+    for i, (g, g2, r) in enumerate(zip(got, got2, want)):
+        assert g.dtype == r.dtype and g.shape == r.shape, i
+        assert g.tobytes() == r.tobytes(), f"gradient {i}: backward megakernel differs from staged"
+        assert g.tobytes() == g2.tobytes(), f"gradient {i}: not reproducible"
+    return got
+
+
+@pytest.mark.parametrize("case", BENCH[:2] + SMALL[1:3], ids=[str(c) for c in BENCH[:2] + SMALL[1:3]])
+def test_backward_megakernel_equals_staged_bitwise(case):
+    T, H, F, E, K = case[:5]
+    Fs = case[5] if len(case) > 5 else 0
+    x, router, wg, wu, wd, shared = make_problem(T, H, F, E, BF16, Fs)
+    aux = mok_jax.route(x, router, top_k=K)
+    _check_backward_megakernel(x, aux.topk_ids, aux.topk_weights, wg, wu, wd, shared)
+
+
+@pytest.mark.parametrize("kind", ["one_expert", "empty_experts", "k_equals_e", "masked", "shared", "k1",
+                                  "all_masked"])
+def test_backward_megakernel_edge_cases(kind):
+    T, H, F, E, K = 1500, 256, 384, 16, 4
+    x, router, wg, wu, wd, shared = make_problem(T, H, F, E, BF16, 128)
+    ids, K, mask = _edge_routing(kind, T, E, K)
+    if kind not in ("shared", "masked"):
+        shared = None
+    w = jax.random.uniform(fresh_key(), (T, K))
+    g = _check_backward_megakernel(x, ids, w, wg, wu, wd, shared, mask)
+    if kind == "empty_experts":  # experts 3.. get no token: exact zero weight gradients
+        for d in g[2:5]:
+            assert np.all(d[3:].astype(np.float32) == 0)
+    if kind == "all_masked":
+        assert all(np.all(d.astype(np.float32) == 0) for d in g)
+
+
 _GRAPH_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
@@ -298,7 +355,8 @@ wd = jax.random.normal(jax.random.key(5), (16, 384, 256), jnp.float32).astype(jn
 saved, same = {}, True
 # The staged default and the persistent megakernel, each in its own executable
 # (so a mismatch names its path).
-for path, cfg in (("staged", None), ("megakernel", mok_jax.MegakernelConfig(persistent=True))):
+for path, cfg in (("staged", None),
+                  ("megakernel", mok_jax.MegakernelConfig(persistent=True, persistent_backward=True))):
     def loss(x, wg, wu, wd):
         y, _ = mok_jax.moe_layer(x, r, wg, wu, wd, top_k=4, implementation="cuda", megakernel=cfg)
         return jnp.sum(y.astype(jnp.float32) ** 2)

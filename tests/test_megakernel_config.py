@@ -37,10 +37,11 @@ CFG = MegakernelConfig(persistent=True, ring_rows=256, minibatch_rows=128, dispa
     ("ring_rows", 100, ValueError), ("ring_rows", 2**30 + 128, ValueError),
     ("ring_rows", True, TypeError), ("ring_rows", 1.5, TypeError),
     ("ring_rows", "256", TypeError), ("persistent", 1, TypeError),
-    ("persistent", None, TypeError),
+    ("persistent", None, TypeError), ("persistent_backward", 1, TypeError),
+    ("persistent_backward", "yes", TypeError),
 ])
 def test_bad_values_name_the_field(field, value, error):
-    kw = {} if field == "persistent" else {"persistent": True}
+    kw = {} if field.startswith("persistent") else {"persistent": True}
     with pytest.raises(error, match=f"MegakernelConfig\\.{field}\\b") as info:
         MegakernelConfig(**kw, **{field: value})
     # ...and say what was given.
@@ -65,7 +66,9 @@ def test_valid_edges():
     for kw in (dict(dispatch_ctas=1), dict(dispatch_ctas=64), dict(minibatch_rows=8192),
                dict(ring_rows=2**30), dict(ring_rows=384), dict(ring_rows=512, minibatch_rows=256),
                dict(ring_rows=256, minibatch_rows=256), dict(persistent=False),
-               dict(persistent=np.bool_(True)), dict(dispatch_ctas=np.int32(3))):
+               dict(persistent=np.bool_(True)), dict(dispatch_ctas=np.int32(3)),
+               dict(persistent=False, persistent_backward=True),
+               dict(persistent_backward=np.bool_(True))):
         if "persistent" not in kw:
             kw["persistent"] = True
         cfg = MegakernelConfig(**kw)
@@ -75,8 +78,14 @@ def test_valid_edges():
 
 def test_defaults_and_ffi_attrs():
     cfg = MegakernelConfig()
-    assert (cfg.persistent, cfg.dispatch_ctas, cfg.minibatch_rows, cfg.ring_rows) == \
-        (False, None, None, None)
+    assert (cfg.persistent, cfg.dispatch_ctas, cfg.minibatch_rows, cfg.ring_rows,
+            cfg.persistent_backward) == (False, None, None, None, False)
+    assert {k: (type(v), int(v)) for k, v in cfg.backward_ffi_attrs().items()} == \
+        {"persistent": (np.int32, 0)}
+    bwd = MegakernelConfig(persistent_backward=np.bool_(True))
+    assert type(bwd.persistent_backward) is bool
+    assert {k: int(v) for k, v in bwd.backward_ffi_attrs().items()} == {"persistent": 1}
+    assert int(bwd.ffi_attrs()["persistent"]) == 0  # the forward stays staged
     attrs = cfg.ffi_attrs()
     assert list(attrs) == ["persistent", "dispatch_ctas", "minibatch_rows", "ring_rows"]
     assert all(type(v) is np.int32 for v in attrs.values())
@@ -109,6 +118,7 @@ def test_hashable_equal_and_frozen():
     assert CFG != MegakernelConfig(persistent=True, ring_rows=256, minibatch_rows=128,
                                    dispatch_ctas=3)
     assert MegakernelConfig() != MegakernelConfig(persistent=True)
+    assert MegakernelConfig() != MegakernelConfig(persistent_backward=True)
     assert len({CFG: 0, same: 1, MegakernelConfig(): 2}) == 2
     with pytest.raises(dataclasses.FrozenInstanceError):
         CFG.ring_rows = 512
@@ -281,6 +291,7 @@ class _FakeCudaModule:
         return 4096
 
     def backward_workspace_bytes(self, *args):
+        assert len(args) == 7 and type(args[-1]) is bool, args
         self.calls.append(("bwd", args))
         return 8192
 
@@ -303,15 +314,18 @@ def _cuda_problem(T=256, Hc=64, Fc=64, Fs=0):
     return x, ids, w, wg, wu, wd, sh
 
 
-@pytest.mark.parametrize("cfg,want", [
-    (CFG, (1, 2, 128, 256)),
-    (None, (0, 0, 0, 0)),
-    (MegakernelConfig(persistent=True, ring_rows=512), (1, 0, 0, 512)),
+@pytest.mark.parametrize("cfg,want,bwd_mk", [
+    (CFG, (1, 2, 128, 256), 0),
+    (None, (0, 0, 0, 0), 0),
+    (MegakernelConfig(persistent=True, ring_rows=512), (1, 0, 0, 512), 0),
+    (MegakernelConfig(persistent_backward=True), (0, 0, 0, 0), 1),
+    (dataclasses.replace(CFG, persistent_backward=True), (1, 2, 128, 256), 1),
 ])
-def test_cuda_forward_gets_the_knobs(fake_cuda, cfg, want):
+def test_cuda_forward_gets_the_knobs(fake_cuda, cfg, want, bwd_mk):
     """forward_call passes the knobs as the FFI attributes of the CUDA forward
-    and as the last 4 of forward_workspace_bytes' 10 ints; the backward's
-    call and workspace query are unchanged."""
+    and as the last 4 of forward_workspace_bytes' 10 ints; the backward gets
+    persistent_backward as its one attribute and as its workspace query's
+    last argument (the layout depends on it)."""
     x, ids, w, wg, wu, wd, sh = _cuda_problem(Fs=32)
     T, Hc = x.shape
     Fc = wg.shape[2]
@@ -329,10 +343,10 @@ def test_cuda_forward_gets_the_knobs(fake_cuda, cfg, want):
     p, d, m, r = want
     assert (f"mhlo.backend_config = {{dispatch_ctas = {d} : i32, minibatch_rows = {m} : i32, "
             f"persistent = {p} : i32, ring_rows = {r} : i32}}") in fwd[0]
-    assert "mhlo.backend_config = {}" in bwd[0]
+    assert f"mhlo.backend_config = {{persistent = {bwd_mk} : i32}}" in bwd[0]
     assert "tensor<4096xui8>" in fwd[0] and "tensor<8192xui8>" in bwd[0]
     assert fake_cuda.calls == [("fwd", (T, Hc, Fc, E, K, 32, *want)),
-                               ("bwd", (T, Hc, Fc, E, K, 32))]
+                               ("bwd", (T, Hc, Fc, E, K, 32, bool(bwd_mk)))]
 
 
 @pytest.mark.parametrize("Fs", [32, 0])

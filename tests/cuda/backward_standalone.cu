@@ -2,6 +2,9 @@
 //
 //   backward_standalone [--correctness] [--small] [--case NAME] [--timing] [--timing-shared] [--iters N]
 //                       [--no-check]   (timing: skip the sampled check afterwards, for A/B loops)
+//                       [--megakernel] (correctness: every case also through the backward
+//                                       megakernel, whose gradients must equal the staged ones
+//                                       bitwise; timing: the megakernel is timed)
 //
 // Residuals come from mok::cuda::forward (validated by forward_standalone).
 // Correctness: random bf16 inputs and dy (never zeros); every backward output and
@@ -28,6 +31,7 @@
 #include "../../ffi/backward_cuda.h"
 #include "../../ffi/forward_cuda.h"
 #include "../../ffi/gemm_wgmma.cuh"
+#include "../../ffi/megakernel_bwd.cuh"
 
 using mok::BackwardArgs;
 using mok::DType;
@@ -218,7 +222,8 @@ static void setup(const Problem& pr, const Host& h, Dev& d) {
   d.pr = static_cast<int32_t*>(dalloc(pr.pairs() * 4));
   d.fws_bytes = mok::cuda::forward_workspace_bytes(pr);
   d.fws = dalloc(d.fws_bytes);
-  d.bws_bytes = mok::cuda::backward_workspace_bytes(pr);
+  // Sized for both backward modes (staged and megakernel), so one setup serves both.
+  d.bws_bytes = std::max(mok::cuda::backward_workspace_bytes(pr, false), mok::cuda::backward_workspace_bytes(pr, true));
   d.bws = dalloc(d.bws_bytes);
   d.dx = dalloc(T * H * 2);
   d.dtw = static_cast<float*>(dalloc(pr.pairs() * 4));
@@ -345,11 +350,11 @@ static void poison_bwd(const Problem& pr, const Dev& d) {
   CK(cudaMemset(d.bws, 0xFF, d.bws_bytes));
 }
 
-static bool run_backward(const Problem& pr, const Dev& d, cudaStream_t st, Grads& g) {
+static bool run_backward(const Problem& pr, const Dev& d, cudaStream_t st, Grads& g, bool megakernel = false) {
   poison_bwd(pr, d);
   keep_residuals(pr, d, st, false);
   CK(cudaDeviceSynchronize());
-  const char* err = mok::cuda::backward(pr, bwd_args(d), d.bws, st);
+  const char* err = mok::cuda::backward(pr, bwd_args(d), d.bws, st, nullptr, megakernel);
   if (err) {
     std::printf("  backward returned error: %s\n", err);
     return false;
@@ -527,6 +532,9 @@ struct Err {
   bool ok() const { return !nan && rel() <= 1e-2 && (r2 == 0 ? e2 == 0 : cosv() >= 0.9999); }
 };
 
+// --megakernel: the backward megakernel against the staged kernels.
+static bool g_megakernel = false;
+
 static bool check_case(const Case& c, uint64_t seed, cudaStream_t st) {
   const Problem pr = make_problem(c);
   Host h;
@@ -536,6 +544,14 @@ static bool check_case(const Case& c, uint64_t seed, cudaStream_t st) {
   Res rs;
   Grads g1, g2;
   bool ok = run_forward(pr, d, st, &rs) && run_backward(pr, d, st, g1) && run_backward(pr, d, st, g2);
+  // The megakernel computes every tile with the staged kernels' instructions
+  // and the same reduction order, so its gradients must be theirs bitwise.
+  bool mega_same = true;
+  if (ok && g_megakernel) {
+    Grads g3;
+    ok = run_backward(pr, d, st, g3, true);
+    mega_same = ok && g3 == g1;
+  }
   if (!ok) {
     teardown(d);
     return false;
@@ -591,16 +607,17 @@ static bool check_case(const Case& c, uint64_t seed, cudaStream_t st) {
   }
   const bool num_ok =
       edx.ok() && edtw.ok() && eg.ok() && eu.ok() && ed.ok() && (Fs == 0 || (esg.ok() && esu.ok() && esd.ok()));
-  ok = det && zeros_ok && num_ok;
+  ok = det && mega_same && zeros_ok && num_ok;
   double worst_cos = std::min({edx.cosv(), edtw.cosv(), eg.cosv(), eu.cosv(), ed.cosv()});
   if (Fs > 0) worst_cos = std::min({worst_cos, esg.cosv(), esu.cosv(), esd.cosv()});
   std::printf(
       "  %-12s T=%-5lld H=%-4lld F=%-4lld E=%-3lld K=%-2lld Fs=%-4lld empty=%-2d rows in %-9s | relL2 dx %.1e dtw %.1e dWg %.1e dWu %.1e "
-      "dWd %.1e dWsg %.1e dWsu %.1e dWsd %.1e | min cos %.7f | zeros %s determ %s => %s\n",
+      "dWd %.1e dWsg %.1e dWsu %.1e dWsd %.1e | min cos %.7f | zeros %s determ %s megakernel %s => %s\n",
       c.name, (long long)T, (long long)H, (long long)F, (long long)E, (long long)K, (long long)Fs, empty,
       mok::cuda::backward_rows_in_outputs(pr) ? "outputs" : "workspace", edx.rel(),
       edtw.rel(), eg.rel(), eu.rel(), ed.rel(), Fs ? esg.rel() : 0.0, Fs ? esu.rel() : 0.0, Fs ? esd.rel() : 0.0,
-      worst_cos, zeros_ok ? "ok" : "BAD", det ? "ok" : "BAD", ok ? "PASS" : "FAIL");
+      worst_cos, zeros_ok ? "ok" : "BAD", det ? "ok" : "BAD", g_megakernel ? (mega_same ? "same" : "DIFFERS") : "-",
+      ok ? "PASS" : "FAIL");
   std::fflush(stdout);
   teardown(d);
   return ok;
@@ -612,10 +629,11 @@ static bool g_no_check = false;
 static int run_timing(int iters, cudaStream_t st, bool with_shared) {
   Case c{"bench", 32768, 2048, 768, 128, 8, with_shared ? 2048 : 0, Routing::kUniform, 0.0, true};
   const Problem pr = make_problem(c);
+  std::printf("%s: ", g_megakernel ? "megakernel" : "staged");
   std::printf("timing shape T=%lld H=%lld F=%lld E=%lld K=%lld Fs=%lld  R=%lld  bwd workspace=%.1f MiB, rows in %s\n",
               (long long)c.T, (long long)c.H, (long long)c.F, (long long)c.E, (long long)c.K, (long long)c.Fs,
-              (long long)pr.row_capacity(), mok::cuda::backward_workspace_bytes(pr) / 1048576.0,
-              mok::cuda::backward_rows_in_outputs(pr) ? "outputs" : "workspace");
+              (long long)pr.row_capacity(), mok::cuda::backward_workspace_bytes(pr, g_megakernel) / 1048576.0,
+              mok::cuda::backward_rows_in_outputs(pr, g_megakernel) ? "outputs" : "workspace");
   Host h;
   make_inputs(c, 1234, h);
   Dev d;
@@ -626,7 +644,7 @@ static int run_timing(int iters, cudaStream_t st, bool with_shared) {
   for (auto& e : se.ev) CK(cudaEventCreate(&e));
   for (int i = 0; i < 3; ++i) {
     keep_residuals(pr, d, st, false);
-    const char* err = mok::cuda::backward(pr, args, d.bws, st);
+    const char* err = mok::cuda::backward(pr, args, d.bws, st, nullptr, g_megakernel);
     if (err) {
       std::printf("backward error: %s\n", err);
       return 1;
@@ -637,7 +655,7 @@ static int run_timing(int iters, cudaStream_t st, bool with_shared) {
   std::vector<float> tot, stage[5];
   for (int i = 0; i < iters; ++i) {
     keep_residuals(pr, d, st, false);  // before ev[0]: not timed
-    const char* err = mok::cuda::backward(pr, args, d.bws, st, &se);
+    const char* err = mok::cuda::backward(pr, args, d.bws, st, &se, g_megakernel);
     if (err) {
       std::printf("backward error: %s\n", err);
       return 1;
@@ -663,10 +681,15 @@ static int run_timing(int iters, cudaStream_t st, bool with_shared) {
               *std::min_element(tot.begin(), tot.end()), *std::max_element(tot.begin(), tot.end()), iters,
               12.0 * tkhf / (t_ms * 1e-3) / 1e12, with_shared ? "; shared excluded" : "");
   if (with_shared) std::printf("  incl shared FLOPs: %.1f TFLOP/s\n", 12.0 * (tkhf + shf) / (t_ms * 1e-3) / 1e12);
-  std::printf("  prep+gather %.3f ms | dgrad-down+swiglu %.3f ms (%.1f TF) | wgrad x3 %.3f ms (%.1f TF) | "
-              "dgrad gate+up %.3f ms (%.1f TF) | combine %.3f ms\n",
-              med(stage[0]), s1, 2.0 * (tkhf + shf) / (s1 * 1e-3) / 1e12, s2, 6.0 * (tkhf + shf) / (s2 * 1e-3) / 1e12,
-              s3, 4.0 * (tkhf + shf) / (s3 * 1e-3) / 1e12, med(stage[4]));
+  if (g_megakernel)  // the megakernel runs between ev[2] and ev[3]
+    std::printf("  prep+gather %.3f ms | megakernel (dgrad-down+swiglu, wgrad x3, dgrad gate+up) %.3f ms (%.1f TF) | "
+                "combine %.3f ms\n",
+                med(stage[0]), s1 + s2 + s3, 12.0 * (tkhf + shf) / ((s1 + s2 + s3) * 1e-3) / 1e12, med(stage[4]));
+  else
+    std::printf("  prep+gather %.3f ms | dgrad-down+swiglu %.3f ms (%.1f TF) | wgrad x3 %.3f ms (%.1f TF) | "
+                "dgrad gate+up %.3f ms (%.1f TF) | combine %.3f ms\n",
+                med(stage[0]), s1, 2.0 * (tkhf + shf) / (s1 * 1e-3) / 1e12, s2, 6.0 * (tkhf + shf) / (s2 * 1e-3) / 1e12,
+                s3, 4.0 * (tkhf + shf) / (s3 * 1e-3) / 1e12, med(stage[4]));
   for (auto& e : se.ev) CK(cudaEventDestroy(e));
   teardown(d);
   // sampled correctness + determinism at this shape (fresh inputs)
@@ -687,6 +710,11 @@ int main(int argc, char** argv) {
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (a == "--case" && i + 1 < argc) { only = argv[++i]; corr = true; small = true; }
     else if (a == "--no-check") g_no_check = true;
+    else if (a == "--megakernel") g_megakernel = true;
+    else {
+      std::printf("unknown argument %s\n", a.c_str());
+      return 2;
+    }
   }
   if (!corr && !timing && !shared_timing) corr = timing = true;
   cudaDeviceProp prop;
