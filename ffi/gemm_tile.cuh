@@ -18,17 +18,20 @@
 // Measurement only, never in a shipped build (tests/cuda/build_and_run.sh
 // EXTRA_NVCC_FLAGS): MOK_GEMM_EPILOGUE_PROBE=1 drops the epilogues' global
 // stores, forward (here) and backward (gemm_wgmma_bwd.cu; build_and_run_backward.sh)
-// (benchmarks/RESULTS.md, "Epilogue probe"). Dropping the whole epilogue is
-// no measurement: with the accumulators dead the MMAs go too.
+// (benchmarks/RESULTS.md, "Epilogue probe"): the register-to-global stores
+// only, so measure with MOK_CUDA_GEMM_TMA_STORE=0. Dropping the whole
+// epilogue is no measurement: with the accumulators dead the MMAs go too.
 #ifndef MOK_GEMM_EPILOGUE_PROBE
 #define MOK_GEMM_EPILOGUE_PROBE 0
 #endif
 
-// The TMA-store epilogues (TmaTileStore here, swiglu_bwd::epilogue_tma) are
-// compiled into the staged GEMMs (gemm_wgmma.cu, gemm_wgmma_bwd.cu) only with
-// -DMOK_GEMM_TMA_STORE=1: not yet run on a GPU.
+// The TMA-store epilogues (TmaTileStore here, swiglu_bwd::epilogue_tma) of
+// the staged GEMMs (gemm_wgmma.cu, gemm_wgmma_bwd.cu): the default;
+// -DMOK_GEMM_TMA_STORE=0 (MOK_JAX_GEMM_TMA_STORE=OFF) builds the
+// register-to-global stores only, and MOK_CUDA_GEMM_TMA_STORE=0 selects them
+// at run time (benchmarks/RESULTS.md, the A/B that made TMA the default).
 #ifndef MOK_GEMM_TMA_STORE
-#define MOK_GEMM_TMA_STORE 0
+#define MOK_GEMM_TMA_STORE 1
 #endif
 
 namespace mok::cuda::tile {

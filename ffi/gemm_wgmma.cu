@@ -77,11 +77,9 @@ using tile::kStageBytes;
 using tile::kStages;
 using tile::kThreads;
 
-// The TMA-store epilogue (tile::TmaTileStore) is compiled in only with
-// -DMOK_GEMM_TMA_STORE=1: it has not run on a GPU yet (the device was lost
-// before its first A/B run, tests/cuda/ab_tma_store.sh). Without it the
-// kernel is the validated one: register-to-global stores (tile::TileStore),
-// tile::kSmemBytes of shared memory.
+// The TMA-store epilogue (tile::TmaTileStore, the default) needs
+// tile::kTmaGemmSmemBytes of shared memory; a -DMOK_GEMM_TMA_STORE=0 build
+// has the register-to-global stores only (tile::TileStore, tile::kSmemBytes).
 constexpr int kKernelSmemBytes = tile::kStagedGemmSmemBytes;
 
 struct KParams {
