@@ -3,14 +3,13 @@
 //   xg[r] = 0                    for padding rows below expert_offsets[E].
 // Rows at or above expert_offsets[E] are left untouched (their GEMM tiles are
 // skipped). 16-byte vectors (H % 8 == 0). Two kernels:
-//   dispatch_rows    one warp per destination row (the default, validated):
+//   dispatch_tokens  one warp per token (the default): its row read once and
+//                    written to its K rows (pair_row), then the padding rows
+//                    zeroed: at shape 1, 1.2 GB of DRAM traffic instead of ~2 GB.
+//   dispatch_rows    one warp per destination row (MOK_CUDA_DISPATCH=rows):
 //                    a token's row is read K times, from DRAM mostly (x is
 //                    larger than L2 at the benchmark shapes; ncu of the same
 //                    copy in the peer pull: 0.95 GB read for 1.07 GB of rows).
-//   dispatch_tokens  one warp per token: its row read once and written to its
-//                    K rows (pair_row), then the padding rows zeroed: at shape
-//                    1, 1.2 GB of DRAM traffic instead of ~2 GB. Not yet run
-//                    on a GPU: MOK_CUDA_DISPATCH=tokens selects it.
 // Every destination row is written by one warp: deterministic either way.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -110,11 +109,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_tokens(const uint4* __restr
   }
 }
 
-// MOK_CUDA_DISPATCH=tokens: the token-major kernel (read once per process).
+// The token-major kernel unless MOK_CUDA_DISPATCH=rows (read once per process).
 bool token_major_dispatch() {
   static const bool on = [] {
     const char* e = std::getenv("MOK_CUDA_DISPATCH");
-    return e != nullptr && std::strcmp(e, "tokens") == 0;
+    return e == nullptr || std::strcmp(e, "rows") != 0;
   }();
   return on;
 }
