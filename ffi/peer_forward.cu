@@ -39,7 +39,7 @@ namespace {
 
 struct PeerLayout {
   detail::PeerSchedule s;
-  size_t xg, gate, up, act, ret, s_gate, s_up, s_act, s_out, total;
+  size_t xg, act, ret, s_act, s_out, total;
 };
 
 // staged: the return rows live in the rank's IPC staging (several
@@ -50,15 +50,13 @@ PeerLayout make_peer_layout(const Problem& p, int ranks, int64_t C, bool staged)
   L.s = detail::carve_peer_schedule(p, ranks, C, false, ws);
   const size_t T = static_cast<size_t>(p.tokens), K = static_cast<size_t>(p.top_k);
   const size_t H = static_cast<size_t>(p.hidden), F = static_cast<size_t>(p.ffn);
+  // No gate/up pre-activations: the forward's gate/up GEMMs write the
+  // activation only, except round 0's when the backward keeps them (keep_gate).
   L.xg = ws.take(static_cast<size_t>(C) * H * 2);
-  L.gate = ws.take(static_cast<size_t>(C) * F * 2);
-  L.up = ws.take(static_cast<size_t>(C) * F * 2);
   L.act = ws.take(static_cast<size_t>(C) * F * 2);
   if (!staged) L.ret = ws.take(T * K * H * 2);
   if (p.shared_ffn > 0) {
     const size_t Fs = static_cast<size_t>(p.shared_ffn);
-    L.s_gate = ws.take(T * Fs * 2);
-    L.s_up = ws.take(T * Fs * 2);
     L.s_act = ws.take(T * Fs * 2);
     L.s_out = ws.take(T * H * 2);
   }
@@ -274,8 +272,8 @@ const char* peer_forward(const Problem& p, const PeerGroup& group, const PeerFor
   if (const char* e = detail::launch_peer_prologue(p, group, mine, S, C, ws, &sms, stream)) return e;
 
   // 3. the shared expert over this rank's tokens, while peers may still be pulling
-  if (const char* e = detail::launch_shared_expert(p, a.x, a.token_mask, a.ws_gate, a.ws_up, a.ws_down, ws + L.s_gate,
-                                                   ws + L.s_up, ws + L.s_act, ws + L.s_out, sms, stream))
+  if (const char* e = detail::launch_shared_expert(p, a.x, a.token_mask, a.ws_gate, a.ws_up, a.ws_down, nullptr,
+                                                   nullptr, ws + L.s_act, ws + L.s_out, sms, stream))
     return e;
 
   // 4. rounds of C rows: pull -> gate/up + SwiGLU -> down, each row stored
@@ -288,7 +286,7 @@ const char* peer_forward(const Problem& p, const PeerGroup& group, const PeerFor
       return e;
     const bool keep = r == 0 && a.keep_gate != nullptr && a.keep_up != nullptr;
     if (const char* e = detail::launch_round_gate_up(p, El, C, xg, a.w_gate, a.w_up, tile_group,
-                                                     keep ? a.keep_gate : ws + L.gate, keep ? a.keep_up : ws + L.up,
+                                                     keep ? a.keep_gate : nullptr, keep ? a.keep_up : nullptr,
                                                      ws + L.act, sms, stream))
       return e;
     if (const char* e = detail::launch_peer_row_destinations(u64(S.ret_table), p.tokens, K, p.hidden, row_pair,

@@ -82,12 +82,10 @@ def row_capacity(tokens: int, top_k: int, experts: int) -> int:
 # shard_map (experts.empty_shared, forward_call's kept residuals).
 ZERO_SIZE_OPERANDS_CRASH = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 12)
 
-# A CUDA forward that nothing differentiates could skip its residuals (the
-# activation-only gate/up epilogue), but that kernel has not run on a GPU
-# yet: until it has, CUDA forwards keep them unless
-# MOK_JAX_CUDA_DROP_RESIDUALS=1 (read at import). The CPU forward always
-# drops them when it can.
-CUDA_DROPS_RESIDUALS = os.environ.get("MOK_JAX_CUDA_DROP_RESIDUALS", "0") == "1"
+# A forward that nothing differentiates skips its residuals (the CUDA
+# kernels' activation-only gate/up epilogue) unless
+# MOK_JAX_CUDA_DROP_RESIDUALS=0 (read at import; CUDA only).
+CUDA_DROPS_RESIDUALS = os.environ.get("MOK_JAX_CUDA_DROP_RESIDUALS", "1") != "0"
 
 
 def varying_axes(arrays):
@@ -153,9 +151,9 @@ def forward_call(platform, inputs, megakernel=None, keep_residuals=True):
     MegakernelConfig or None (the defaults), used by the CUDA target only.
     keep_residuals=False (a forward nothing differentiates): the gate/up
     pre-activations are neither written nor allocated, 2 R F + 2 T Fs
-    elements of stores and memory saved (on CUDA only with
-    CUDA_DROPS_RESIDUALS, and never by the persistent megakernel). Returns y
-    and the 7 residuals (those four then with 0 rows)."""
+    elements of stores and memory saved (on CUDA unless CUDA_DROPS_RESIDUALS
+    is off, and never by the persistent megakernel). Returns y and the 7
+    residuals (those four then with 0 rows)."""
     x, ids, _, _, wg, _, _, wsg, _, _ = inputs
     cuda_keeps = platform == "cuda" and (not CUDA_DROPS_RESIDUALS
                                          or (megakernel or MegakernelConfig()).persistent)

@@ -422,11 +422,11 @@ def test_cuda_expert_parallel_gets_the_knobs(fake_cuda):
 @pytest.mark.parametrize("drops,cfg,kept", [(True, None, False), (True, MegakernelConfig(persistent=True), True),
                                             (False, None, True)])
 def test_cuda_inference_forward_drops_the_pre_activations(fake_cuda, monkeypatch, drops, cfg, kept):
-    """Not differentiated and with CUDA_DROPS_RESIDUALS, the CUDA forward gets
-    gate_pre/up_pre (and the shared expert's) with 0 rows, so its gate/up GEMMs
-    write the activation only; the persistent megakernel keeps them (it writes
-    them regardless), and so does every CUDA forward until that kernel has
-    run on a GPU (CUDA_DROPS_RESIDUALS off, the default)."""
+    """Not differentiated (CUDA_DROPS_RESIDUALS, the default), the CUDA forward
+    gets gate_pre/up_pre (and the shared expert's) with 0 rows, so its gate/up
+    GEMMs write the activation only; the persistent megakernel keeps them (it
+    writes them regardless), and so does every CUDA forward with
+    MOK_JAX_CUDA_DROP_RESIDUALS=0."""
     monkeypatch.setattr(_ffi, "CUDA_DROPS_RESIDUALS", drops)
     x, ids, w, wg, wu, wd, sh = _cuda_problem(Fs=32)
     f = lambda x: mok_jax.experts(x, ids, w, wg, wu, wd, shared_experts=sh, implementation="cuda",
