@@ -42,10 +42,10 @@ class MegakernelConfig:
         backward megakernel whose CTAs claim the same tiles from an atomic
         ticket in MoK's task order, each waiting on per-expert counters
         (no host sync); the gradients are bitwise those of the staged path
-        (tested). Slower today: 11.6 ms against the staged 10.1 ms for the
-        whole backward at the Qwen3-30B-A3B shape on an H100
-        (benchmarks/RESULTS.md), and its gathered rows always take
-        workspace. The expert-parallel peer backward ignores it (staged).
+        (tested). Slower today: 12.65 ms against the staged 10.99 ms for
+        the backward at the Qwen3-30B-A3B shape on an H100 through JAX,
+        5-15 % slower at all four benchmark shapes (benchmarks/RESULTS.md),
+        and its gathered rows always take workspace. The expert-parallel peer backward ignores it (staged).
       dispatch_ctas: CTAs that start in the dispatch role, in ``[1, 64]``;
         None = the library default (16). More pull rows faster but start
         fewer compute CTAs (they join the compute once the dispatch is done).

@@ -1,6 +1,7 @@
-"""The CUDA GEMMs' measurement-only and not-yet-default variants compile for
-sm_90a without register spills or local-memory arrays (compile only: no GPU needed, skipped without
-nvcc).
+"""The CUDA GEMMs' measurement-only variants and the build flags' both sides
+compile for sm_90a without register spills or local-memory arrays, and the
+backward megakernel within its budget (compile only: no GPU needed, skipped
+without nvcc).
 
 `pip install` builds the default kernels only; the register-store-only build
 (-DMOK_GEMM_TMA_STORE=0) and the epilogue probe (-DMOK_GEMM_EPILOGUE_PROBE=1)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The not-yet-default variants against the validated defaults, in the same
-# binaries: the TMA-store epilogues (built with -DMOK_GEMM_TMA_STORE=1, off at
-# run time with MOK_CUDA_GEMM_TMA_STORE=0) and the token-major dispatch
+# The TMA-store epilogues, the token-major dispatch and the inference forward
+# without residuals (the defaults since 2026-12-05, benchmarks/RESULTS.md
+# "Twelfth session") against the kernels they replaced, in the same binaries:
+# the TMA-store epilogues (built with -DMOK_GEMM_TMA_STORE=1, off at run time
+# with MOK_CUDA_GEMM_TMA_STORE=0) and the token-major dispatch
 # gather (MOK_CUDA_DISPATCH=tokens, any build). Steps (STEPS, default all, too
 # many for one 600 s device call: run "fwd memcheck", then "pytest bwd", then "bench"):
 #   fwd      staged forward: SASS counts, correctness (with the no-residuals
@@ -110,7 +112,7 @@ if has bwd; then
   grep -E "backward median|prep\+gather" "$L/bwd_t.log" | cut -c1-200
 fi
 if has bench; then  # needs the "pytest" step's build (MOK_JAX_GEMM_TMA_STORE=ON)
-  # all pending variants on; the TMA store alone off; the validated defaults
+  # all three on (the defaults); the TMA store alone off; the kernels they replaced
   for run in "all MOK_CUDA_GEMM_TMA_STORE=1 MOK_CUDA_DISPATCH=tokens MOK_JAX_CUDA_DROP_RESIDUALS=1" \
              "notma MOK_CUDA_GEMM_TMA_STORE=0 MOK_CUDA_DISPATCH=tokens MOK_JAX_CUDA_DROP_RESIDUALS=1" \
              "base MOK_CUDA_GEMM_TMA_STORE=0 MOK_CUDA_DISPATCH=rows MOK_JAX_CUDA_DROP_RESIDUALS=0"; do
