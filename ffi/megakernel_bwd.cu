@@ -58,6 +58,17 @@ __device__ __forceinline__ int block_start(const MegaParams& p, int b, int w) {
   return b * w + (b >= 1 ? p.expert_offsets[b - 1] / kBM * p.nb_h : 0);
 }
 
+// MOK_BWD_MEGAKERNEL_PHASED=1 (measurement only): the staged kernels' order
+// inside the megakernel: phase 1, then every expert's wgrad tiles, then every
+// dxs tile (each dxs wait then points a whole wgrad phase lower). Against the
+// default interleaved order it splits the megakernel's measured loss into the
+// cost of mixing wgrad and dxs tiles on the GPU at once (L2 working set) and
+// the cost of the megakernel itself (per-task hand-over, the inlined loop's
+// spills). Same tiles, same math: the gradients stay bitwise.
+#ifndef MOK_BWD_MEGAKERNEL_PHASED
+#define MOK_BWD_MEGAKERNEL_PHASED 0
+#endif
+
 // Ticket -> task (megakernel_bwd.cuh). Not inlined: the producer thread runs
 // it under its 40-register cap.
 __device__ __noinline__ Task decode_ticket(const MegaParams& p, int tk, int used_tiles) {
@@ -75,6 +86,25 @@ __device__ __noinline__ Task decode_ticket(const MegaParams& p, int tk, int used
   const int v = tk - n_dd;
   const int w = p.n_wd + p.n_wgu;
   if (v >= p.E * w + used_tiles * p.nb_h) return t;
+#if MOK_BWD_MEGAKERNEL_PHASED
+  // wgrad of expert v / w, or (past E * w) dxs tile u of the expert holding it.
+  int b, r;
+  const bool wgrad = v < p.E * w;
+  if (wgrad) {
+    b = v / w;
+    r = v % w;
+  } else {
+    const int u = v - p.E * w;
+    int lo = 0, hi = p.E;  // off[lo] / 128 * nb_h <= u < off[hi] / 128 * nb_h
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (p.expert_offsets[mid] / kBM * p.nb_h <= u) lo = mid;
+      else hi = mid;
+    }
+    b = lo + 1;  // as below: dxs tile r of expert b - 1
+    r = u - p.expert_offsets[lo] / kBM * p.nb_h;
+  }
+#else
   int lo = 0, hi = p.E + 1;  // block_start(lo) <= v < block_start(hi)
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
@@ -83,7 +113,10 @@ __device__ __noinline__ Task decode_ticket(const MegaParams& p, int tk, int used
   }
   const int b = lo;
   int r = v - block_start(p, b, w);
-  if (b < p.E && r < w) {  // a wgrad task of expert b: dW_down (job 2) first, then dW_gate (0), dW_up (1)
+  const bool wgrad = b < p.E && r < w;
+  if (!wgrad && b < p.E) r -= w;
+#endif
+  if (wgrad) {  // a wgrad task of expert b: dW_down (job 2) first, then dW_gate (0), dW_up (1)
     t.e = b;
     if (r < p.n_wd) {
       t.kind = kWgradDown;
@@ -97,7 +130,6 @@ __device__ __noinline__ Task decode_ticket(const MegaParams& p, int tk, int used
     }
     return t;
   }
-  if (b < p.E) r -= w;
   const int e = b - 1;  // a dxs task of expert b - 1, raster order over its row tiles
   tile::TileCoord c = tile::raster(r, expert_tiles(p.expert_offsets, e), p.nb_h, p.gu.group_m);
   c.mt += p.expert_offsets[e] / kBM;

@@ -58,12 +58,14 @@ def test_variant_compiles_without_spills(flag, source, kernel, tmp_path):
         f"{flag} {source}: (stack, spill) bytes {kernels}"
 
 
-@pytest.mark.parametrize("inline", [0, 1])
-def test_backward_megakernel_register_budget(inline, tmp_path):
+@pytest.mark.parametrize("inline,phased", [(0, 0), (1, 0), (1, 1)])
+def test_backward_megakernel_register_budget(inline, phased, tmp_path):
     """The persistent backward megakernel (megakernel_bwd.cu), both builds of
     its consume task: inlined (the default, measured faster) within a small
-    spill budget (152 bytes today), not inlined with no spills anywhere."""
-    spills = compile_kernels("megakernel_bwd.cu", [f"-DMOK_BWD_MEGAKERNEL_INLINE={inline}"], tmp_path)
+    spill budget (152 bytes today), not inlined with no spills anywhere; and
+    the staged-order ticket decode (MOK_BWD_MEGAKERNEL_PHASED, measurement)."""
+    spills = compile_kernels("megakernel_bwd.cu", [f"-DMOK_BWD_MEGAKERNEL_INLINE={inline}",
+                                                   f"-DMOK_BWD_MEGAKERNEL_PHASED={phased}"], tmp_path)
     kernels = {k: v for k, v in spills.items() if "moe_backward_megakernel" in k}
     assert len(kernels) == 1, f"ptxas reported {sorted(spills)}"
     if inline:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call for the persistent backward megakernel (megakernel_bwd.cu): two builds
-# (MOK_BWD_MEGAKERNEL_INLINE=0: __noinline__ consume task, 1: force-inlined), SASS check
+# One device call for the persistent backward megakernel (megakernel_bwd.cu): three builds
+# (MOK_BWD_MEGAKERNEL_INLINE=0: __noinline__ consume task, 1: force-inlined (default);
+# /tmp/mk2: inlined with MOK_BWD_MEGAKERNEL_PHASED=1, the staged kernels' task order), SASS check
 # (HGMMA, wgmma fences, local memory per function), bitwise correctness against the staged
 # backward, compute-sanitizer memcheck, timing staged vs megakernel (alternating).
 # Usage (GPU host, repo root): bash tests/cuda/gpu_session_bwd_mk.sh [steps...]
@@ -10,12 +11,13 @@ out="${OUT:-/tmp/mok_bwd_mk_out}"
 mkdir -p "$out"
 steps="${*:-build sass corr memcheck timing}"
 source "$(dirname "$0")/session_common.sh"
-B0=/tmp/mk0; B1=/tmp/mk1
+B0=/tmp/mk0; B1=/tmp/mk1; B2=/tmp/mk2
 if has build; then
   (OUTDIR=$B0 BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_BWD_MEGAKERNEL_INLINE=0 bash tests/cuda/build_and_run_backward.sh > "$out/build0.log" 2>&1; echo $? > /tmp/b0.rc) &
   (OUTDIR=$B1 BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_BWD_MEGAKERNEL_INLINE=1 bash tests/cuda/build_and_run_backward.sh > "$out/build1.log" 2>&1; echo $? > /tmp/b1.rc) &
+  (OUTDIR=$B2 BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_BWD_MEGAKERNEL_PHASED=1 bash tests/cuda/build_and_run_backward.sh > "$out/build2.log" 2>&1; echo $? > /tmp/b2.rc) &
   wait
-  summary+=("build inline0 rc=$(cat /tmp/b0.rc) inline1 rc=$(cat /tmp/b1.rc)")
+  summary+=("build inline0 rc=$(cat /tmp/b0.rc) inline1 rc=$(cat /tmp/b1.rc) phased rc=$(cat /tmp/b2.rc)")
 fi
 sass_counts() {  # per function: HGMMA, WARPGROUP.DEPBAR, WARPGROUP.ARRIVE, LDL+STL
   cuobjdump --dump-sass "$1" | awk '/Function :/{f=$3} /HGMMA/{h[f]++} /WARPGROUP.DEPBAR/{d[f]++} /WARPGROUP.ARRIVE/{a[f]++} /LDL|STL/{l[f]++} /Function :/{seen[f]=1}
@@ -31,19 +33,23 @@ fi
 if has corr; then
   step corr0 150 $B0/backward_standalone --correctness --megakernel
   step corr1 150 $B1/backward_standalone --correctness --megakernel
+  step corr2 150 $B2/backward_standalone --correctness --megakernel
 fi
 has memcheck && step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 $B0/backward_standalone --case odd_dims --megakernel
 if has timing; then
   step t_mk0_check 90 $B0/backward_standalone --timing --iters 20 --megakernel
   for r in 1 2; do
     step t_staged$r 60 $B0/backward_standalone --timing --iters 20 --no-check
+    # the staged kernels with the megakernel's register epilogues (TMA stores off)
+    step t_staged_reg$r 60 env MOK_CUDA_BWD_TMA_STORE=0 $B0/backward_standalone --timing --iters 20 --no-check
     step t_mk0_$r 60 $B0/backward_standalone --timing --iters 20 --no-check --megakernel
     step t_mk1_$r 60 $B1/backward_standalone --timing --iters 20 --no-check --megakernel
+    step t_mk2_$r 60 $B2/backward_standalone --timing --iters 20 --no-check --megakernel
   done
 fi
 echo "================ summary"
 cat "$out/gpu.txt" "$out/sass.txt" 2>/dev/null
-for f in corr0 corr1; do [ -f "$out/$f.log" ] && { echo "-- $f"; grep -E "FAIL|DIFFERS|correctness:" "$out/$f.log" | cut -c1-200 | tail -5; }; done
+for f in corr0 corr1 corr2; do [ -f "$out/$f.log" ] && { echo "-- $f"; grep -E "FAIL|DIFFERS|correctness:" "$out/$f.log" | cut -c1-200 | tail -5; }; done
 [ -f "$out/memcheck.log" ] && grep -E "ERROR SUMMARY" "$out/memcheck.log"
 for f in "$out"/t_*.log; do [ -f "$f" ] && { echo "-- $(basename $f)"; grep -E "median|megakernel|staged|TFLOP|check" "$f" | cut -c1-230 | tail -4; }; done
 printf '%s\n' "${summary[@]}"
