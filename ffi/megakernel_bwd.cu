@@ -65,6 +65,11 @@ __device__ __forceinline__ int block_start(const MegaParams& p, int b, int w) {
 // cost of mixing wgrad and dxs tiles on the GPU at once (L2 working set) and
 // the cost of the megakernel itself (per-task hand-over, the inlined loop's
 // spills). Same tiles, same math: the gradients stay bitwise.
+// MOK_BWD_MEGAKERNEL_TASK_IN_SMEM=1 (measurement): consumers read the task
+// from its shared slot instead of copying it to registers (see the consumer loop).
+#ifndef MOK_BWD_MEGAKERNEL_TASK_IN_SMEM
+#define MOK_BWD_MEGAKERNEL_TASK_IN_SMEM 0
+#endif
 #ifndef MOK_BWD_MEGAKERNEL_PHASED
 #define MOK_BWD_MEGAKERNEL_PHASED 0
 #endif
@@ -294,10 +299,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (;;) {
       const uint32_t qs = q % kTaskSlots;
       ptx::mbar_wait(&task_full[qs], (q / kTaskSlots) & 1);
+#if MOK_BWD_MEGAKERNEL_TASK_IN_SMEM
+      // The task stays in its shared slot while it runs (its fields are read
+      // where used, not held in registers across the inlined loop); the slot
+      // is released at the end, which holds the producer at most one task
+      // ahead (it is anyway, but for tasks shorter than the stage ring).
+      const Task& t = tasks[qs];
+#else
       const Task t = tasks[qs];
       ptx::mbar_arrive(&task_empty[qs]);  // every reader arrives after its own read
+#endif
       ++q;
       if (t.kind == kEnd) {
+#if MOK_BWD_MEGAKERNEL_TASK_IN_SMEM
+        ptx::mbar_arrive(&task_empty[qs]);
+#endif
         hand_over(q - 1, -1, 0);
         break;
       }
@@ -307,7 +323,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         it = consume_task<kSum2>(maps.gu, p.gu, t.x, smem, acc, it, cw, warp, lane);
       else
         it = consume_task<kWgrad>(maps.wg, p.wg, t.x, smem, acc, it, cw, warp, lane);
-      hand_over(q - 1, t.kind, t.e);
+      const int kind = t.kind, e = t.e;
+#if MOK_BWD_MEGAKERNEL_TASK_IN_SMEM
+      ptx::mbar_arrive(&task_empty[qs]);  // after this thread's last read of the slot
+#endif
+      hand_over(q - 1, kind, e);
     }
   }
 }

@@ -58,17 +58,23 @@ def test_variant_compiles_without_spills(flag, source, kernel, tmp_path):
         f"{flag} {source}: (stack, spill) bytes {kernels}"
 
 
-@pytest.mark.parametrize("inline,phased", [(0, 0), (1, 0), (1, 1)])
-def test_backward_megakernel_register_budget(inline, phased, tmp_path):
+@pytest.mark.parametrize("inline,phased,task_smem", [(0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 0, 1)])
+def test_backward_megakernel_register_budget(inline, phased, task_smem, tmp_path):
     """The persistent backward megakernel (megakernel_bwd.cu), both builds of
     its consume task: inlined (the default, measured faster) within a small
-    spill budget (152 bytes today), not inlined with no spills anywhere; and
-    the staged-order ticket decode (MOK_BWD_MEGAKERNEL_PHASED, measurement)."""
+    spill budget (152 bytes today), not inlined with no spills anywhere; the
+    staged-order ticket decode (MOK_BWD_MEGAKERNEL_PHASED, measurement); and
+    the task read from its shared slot (MOK_BWD_MEGAKERNEL_TASK_IN_SMEM), which
+    must not spill at all (that is its point)."""
     spills = compile_kernels("megakernel_bwd.cu", [f"-DMOK_BWD_MEGAKERNEL_INLINE={inline}",
-                                                   f"-DMOK_BWD_MEGAKERNEL_PHASED={phased}"], tmp_path)
+                                                   f"-DMOK_BWD_MEGAKERNEL_PHASED={phased}",
+                                                   f"-DMOK_BWD_MEGAKERNEL_TASK_IN_SMEM={task_smem}"],
+                             tmp_path)
     kernels = {k: v for k, v in spills.items() if "moe_backward_megakernel" in k}
     assert len(kernels) == 1, f"ptxas reported {sorted(spills)}"
-    if inline:
+    if task_smem:
+        assert all(v == (0, 0) for v in spills.values()), spills
+    elif inline:
         (stack, spill), = kernels.values()
         assert stack <= 128 and spill <= 256, f"(stack, spill) bytes {kernels}"
     else:
