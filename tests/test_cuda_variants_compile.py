@@ -61,11 +61,12 @@ def test_variant_compiles_without_spills(flag, source, kernel, tmp_path):
 @pytest.mark.parametrize("inline,phased,task_smem", [(0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 0, 1)])
 def test_backward_megakernel_register_budget(inline, phased, task_smem, tmp_path):
     """The persistent backward megakernel (megakernel_bwd.cu), both builds of
-    its consume task: inlined (the default, measured faster) within a small
-    spill budget (152 bytes today), not inlined with no spills anywhere; the
-    staged-order ticket decode (MOK_BWD_MEGAKERNEL_PHASED, measurement); and
-    the task read from its shared slot (MOK_BWD_MEGAKERNEL_TASK_IN_SMEM), which
-    must not spill at all (that is its point)."""
+    its consume task: inlined (measured faster) within a small spill budget
+    when the task is copied to registers (TASK_IN_SMEM=0: 152 bytes today),
+    not inlined with no spills anywhere; the staged-order ticket decode
+    (MOK_BWD_MEGAKERNEL_PHASED, measurement); and the default, inlined with
+    the task read from its shared slot (MOK_BWD_MEGAKERNEL_TASK_IN_SMEM=1),
+    which must not spill at all (that is why it is the default)."""
     spills = compile_kernels("megakernel_bwd.cu", [f"-DMOK_BWD_MEGAKERNEL_INLINE={inline}",
                                                    f"-DMOK_BWD_MEGAKERNEL_PHASED={phased}",
                                                    f"-DMOK_BWD_MEGAKERNEL_TASK_IN_SMEM={task_smem}"],
