@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# One device call for the persistent backward megakernel (megakernel_bwd.cu): three builds
-# (MOK_BWD_MEGAKERNEL_INLINE=0: __noinline__ consume task, 1: force-inlined (default);
-# /tmp/mk2: inlined with MOK_BWD_MEGAKERNEL_PHASED=1, the staged kernels' task order;
-# /tmp/mk3: inlined with MOK_BWD_MEGAKERNEL_TASK_IN_SMEM=0, the task copied to registers, 152 B
-# of spills; the default since 2026-12-06 reads it from shared memory), SASS check
-# (HGMMA, wgmma fences, local memory per function), bitwise correctness against the staged
-# backward, compute-sanitizer memcheck, timing staged vs megakernel (alternating), and (step
-# ncu, not in the default set) warp-stall and pipe counters of the megakernel and of the
-# staged GEMM kernels at the harness's timing shape.
+# One device call for the persistent backward megakernel (megakernel_bwd.cu): four builds,
+# the 2 x 2 of the producer's task-transition knobs (2026-12-06; earlier variants, measured
+# and recorded in benchmarks/RESULTS.md, are compile-tested only:
+# tests/test_cuda_variants_compile.py):
+#   /tmp/mk1: the default (MOK_BWD_MEGAKERNEL_DECODE_AHEAD=1, MOK_BWD_MEGAKERNEL_WAIT_CACHE=1)
+#   /tmp/mk0: DECODE_AHEAD=0 (next ticket decoded after the current task's loads), WAIT_CACHE=1
+#   /tmp/mk2: DECODE_AHEAD=0, WAIT_CACHE=0 (every task acquires its dependency): the default
+#             before 2026-12-06
+#   /tmp/mk3: DECODE_AHEAD=1, WAIT_CACHE=0
+# then SASS check (HGMMA, wgmma fences, local memory and generic loads per function), bitwise
+# correctness against the staged backward, compute-sanitizer memcheck, timing staged vs
+# megakernel (alternating), and (steps ncu, ncu_src, not in the default set) warp-stall and
+# pipe counters, and per-instruction stall samples, of the megakernel and of the staged GEMM
+# kernels at the harness's timing shape.
 # Usage (GPU host, repo root): bash tests/cuda/gpu_session_bwd_mk.sh [steps...]
-#   steps default: build sass corr memcheck timing
+#   steps default: build sass corr memcheck timing (more: ncu, ncu_src)
 set -uo pipefail
 out="${OUT:-/tmp/mok_bwd_mk_out}"
 mkdir -p "$out"
@@ -17,19 +22,22 @@ steps="${*:-build sass corr memcheck timing}"
 source "$(dirname "$0")/session_common.sh"
 B0=/tmp/mk0; B1=/tmp/mk1; B2=/tmp/mk2; B3=/tmp/mk3
 if has build; then
-  (OUTDIR=$B0 BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_BWD_MEGAKERNEL_INLINE=0 bash tests/cuda/build_and_run_backward.sh > "$out/build0.log" 2>&1; echo $? > /tmp/b0.rc) &
-  (OUTDIR=$B1 BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_BWD_MEGAKERNEL_INLINE=1 bash tests/cuda/build_and_run_backward.sh > "$out/build1.log" 2>&1; echo $? > /tmp/b1.rc) &
-  (OUTDIR=$B2 BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_BWD_MEGAKERNEL_PHASED=1 bash tests/cuda/build_and_run_backward.sh > "$out/build2.log" 2>&1; echo $? > /tmp/b2.rc) &
-  (OUTDIR=$B3 BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_BWD_MEGAKERNEL_TASK_IN_SMEM=0 bash tests/cuda/build_and_run_backward.sh > "$out/build3.log" 2>&1; echo $? > /tmp/b3.rc) &
+  build() {  # build DIR LOG FLAGS
+    (OUTDIR=$1 BUILD_ONLY=1 EXTRA_NVCC_FLAGS="$3" bash tests/cuda/build_and_run_backward.sh > "$out/$2.log" 2>&1; echo $? > /tmp/$2.rc) &
+  }
+  build $B0 build0 "-DMOK_BWD_MEGAKERNEL_DECODE_AHEAD=0 -DMOK_BWD_MEGAKERNEL_WAIT_CACHE=1"
+  build $B1 build1 ""
+  build $B2 build2 "-DMOK_BWD_MEGAKERNEL_DECODE_AHEAD=0 -DMOK_BWD_MEGAKERNEL_WAIT_CACHE=0"
+  build $B3 build3 "-DMOK_BWD_MEGAKERNEL_DECODE_AHEAD=1 -DMOK_BWD_MEGAKERNEL_WAIT_CACHE=0"
   wait
-  summary+=("build inline0 rc=$(cat /tmp/b0.rc) inline1 rc=$(cat /tmp/b1.rc) phased rc=$(cat /tmp/b2.rc) task_in_regs rc=$(cat /tmp/b3.rc)")
+  summary+=("build mk0 rc=$(cat /tmp/build0.rc) mk1 rc=$(cat /tmp/build1.rc) mk2 rc=$(cat /tmp/build2.rc) mk3 rc=$(cat /tmp/build3.rc)")
 fi
-sass_counts() {  # per function: HGMMA, WARPGROUP.DEPBAR, WARPGROUP.ARRIVE, LDL+STL
-  cuobjdump --dump-sass "$1" | awk '/Function :/{f=$3} /HGMMA/{h[f]++} /WARPGROUP.DEPBAR/{d[f]++} /WARPGROUP.ARRIVE/{a[f]++} /LDL|STL/{l[f]++} /Function :/{seen[f]=1}
-    END{for(k in seen) printf "  HGMMA %4d DEPBAR %4d ARRIVE %4d LDL/STL %4d  %s\n", h[k], d[k], a[k], l[k], k}'
+sass_counts() {  # per function: HGMMA, WARPGROUP.DEPBAR, WARPGROUP.ARRIVE, LDL+STL, generic LD
+  cuobjdump --dump-sass "$1" | awk '/Function :/{f=$3} /HGMMA/{h[f]++} /WARPGROUP.DEPBAR/{d[f]++} /WARPGROUP.ARRIVE/{a[f]++} /LDL|STL/{l[f]++} / LD\./{g[f]++} /Function :/{seen[f]=1}
+    END{for(k in seen) printf "  HGMMA %4d DEPBAR %4d ARRIVE %4d LDL/STL %4d LD %4d  %s\n", h[k], d[k], a[k], l[k], g[k], k}'
 }
 if has sass; then
-  { for b in $B0 $B1 $B3; do
+  { for b in $B0 $B1 $B2 $B3; do
       echo "== $b megakernel_bwd.o"; sass_counts $b/lib/megakernel_bwd.o
       echo "== $b gemm_wgmma_bwd.o"; sass_counts $b/lib/gemm_wgmma_bwd.o
       grep -h -E "registers|spill|C75" $b/megakernel_bwd.ptxas.txt | head -20
@@ -41,9 +49,9 @@ if has corr; then
   step corr2 150 $B2/backward_standalone --correctness --megakernel
   step corr3 150 $B3/backward_standalone --correctness --megakernel
 fi
-has memcheck && step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 $B0/backward_standalone --case odd_dims --megakernel
+has memcheck && step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 $B1/backward_standalone --case odd_dims --megakernel
 if has timing; then
-  step t_mk0_check 90 $B0/backward_standalone --timing --iters 20 --megakernel
+  step t_mk1_check 90 $B1/backward_standalone --timing --iters 20 --megakernel
   for r in 1 2; do
     step t_staged$r 60 $B0/backward_standalone --timing --iters 20 --no-check
     # the staged kernels with the megakernel's register epilogues (TMA stores off)
@@ -62,6 +70,18 @@ if has ncu; then
     $B1/backward_standalone --timing --iters 2 --no-check --megakernel
   step ncu_staged 200 ncu --clock-control none -k regex:bwd_gemm_kernel --launch-skip 3 -c 3 $nsec --page raw \
     $B1/backward_standalone --timing --iters 2 --no-check
+fi
+if has ncu_src; then
+  # per-source-line and per-SASS-instruction warp-stall samples (where the megakernel's
+  # extra long-scoreboard, no-instruction and branch stalls sit); the report stays in /tmp
+  for k in mk staged; do
+    if [ $k = mk ]; then sel="-k regex:moe_backward_megakernel --launch-skip 1 -c 1"; extra=--megakernel
+    else sel="-k regex:bwd_gemm_kernel --launch-skip 3 -c 3"; extra=; fi
+    step ncu_src_$k 240 ncu --clock-control none $sel --section SourceCounters --section WarpStateStats \
+      --import-source yes -f -o /tmp/src_$k $B1/backward_standalone --timing --iters 2 --no-check $extra
+    ncu -i /tmp/src_$k.ncu-rep --page source --csv --print-source sass > /tmp/src_${k}_sass.csv 2>&1
+    python3 tests/cuda/ncu_stall_table.py /tmp/src_${k}_sass.csv 30 > "$out/stall_$k.txt" 2>&1
+  done
 fi
 echo "================ summary"
 cat "$out/gpu.txt" "$out/sass.txt" 2>/dev/null

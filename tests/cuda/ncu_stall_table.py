@@ -1,0 +1,95 @@
+"""Summarise an `ncu --page source --csv --print-source sass` export (measurement tool).
+
+Prints, per profiled kernel in the export: the column sums of every warp-stall
+sampling column, the samples per opcode, and the hottest instructions with a
+few neighbours each (a spin loop or a wait shows up as a short hot window).
+Usage: python3 ncu_stall_table.py EXPORT.csv [top_n]
+"""
+import csv
+import re
+import sys
+from collections import defaultdict
+
+
+def blocks(rows):
+    """Splits the export into (kernel name, header, rows): a header row names 'Address'."""
+    cur, name = None, "?"
+    for r in rows:
+        if r and r[0] == "Kernel Name":
+            name = r[1] if len(r) > 1 else "?"
+        elif r and any(c.strip() == "Address" for c in r[:3]):
+            cur = (name, r, [])
+            yield cur
+        elif cur is not None and r:
+            cur[2].append(r)
+
+
+def num(s):
+    try:
+        return float(s.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def summarise(header, rows, top_n):
+    col = {h.strip(): i for i, h in enumerate(header)}
+    src = next((i for h, i in col.items() if h == "Source"), None)
+    addr = col.get("Address")
+    total_col = next((h for h in col if re.search(r"Warp Stall Sampling \(All", h)), None)
+    # per-reason sample columns (all samples; the '(Not Issued)' copies are left out)
+    stall_cols = [h for h in col if h.startswith("stall_") and "Not Issued" not in h]
+    if total_col is None:
+        print("no sampling column")
+        return
+    ti = col[total_col]
+    total = sum(num(r[ti]) for r in rows if len(r) > ti)
+    print(f"{len(rows)} instructions, {total:.0f} samples in '{total_col}'")
+    sums = {h: sum(num(r[col[h]]) for r in rows if len(r) > col[h]) for h in stall_cols}
+    for h, v in sorted(sums.items(), key=lambda x: -x[1]):
+        if v:
+            print(f"  {v:10.0f}  {100 * v / max(total, 1):5.1f} %  {h}")
+    by_op = defaultdict(float)
+    for r in rows:
+        if len(r) > ti and src is not None:
+            op = r[src].strip().split(" ")[0] if r[src].strip() else "?"
+            if op.startswith("@"):
+                op = r[src].strip().split(" ")[1]
+            by_op[op.split(".")[0]] += num(r[ti])
+    print("samples per opcode:")
+    for op, v in sorted(by_op.items(), key=lambda x: -x[1])[:20]:
+        print(f"  {v:10.0f}  {100 * v / max(total, 1):5.1f} %  {op}")
+    order = sorted(range(len(rows)), key=lambda i: -num(rows[i][ti]) if len(rows[i]) > ti else 0)
+    # the stall reason columns other than the total, for the per-instruction breakdown
+    reasons = [h for h in stall_cols if sums[h]]
+    shown = set()
+    base = int(rows[0][addr], 16) if addr is not None and rows else 0  # offsets from the kernel's start
+    print(f"hottest {top_n} instructions (+-3 neighbours):")
+    for i in order[:top_n]:
+        if i in shown:
+            continue
+        for j in range(max(0, i - 3), min(len(rows), i + 4)):
+            shown.add(j)
+            r = rows[j]
+            v = num(r[ti]) if len(r) > ti else 0
+            top = sorted(((num(r[col[h]]), h) for h in reasons if len(r) > col[h]), reverse=True)[:2]
+            why = ", ".join(f"{h[6:]}={x:.0f}" for x, h in top if x)
+            mark = ">>" if j == i else "  "
+            a = hex(int(r[addr], 16) - base) if addr is not None else ""
+            s = r[src].strip()[:70] if src is not None else ""
+            print(f"{mark} {a:>8} {v:8.0f} {100 * v / max(total, 1):5.2f}%  {s:<70} {why}")
+        print("   ...")
+
+
+def main():
+    path = sys.argv[1]
+    top_n = int(sys.argv[2]) if len(sys.argv) > 2 else 25
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    print("first rows:", rows[:3])
+    for k, (name, header, body) in enumerate(list(blocks(rows))):  # blocks fills lazily
+        print(f"================ kernel block {k}: {name[:120]}")
+        summarise(header, body, top_n)
+
+
+if __name__ == "__main__":
+    main()
