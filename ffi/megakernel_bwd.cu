@@ -82,19 +82,26 @@ __device__ __forceinline__ int block_start(const MegaParams& p, int b, int w) {
 #define MOK_BWD_MEGAKERNEL_PHASED 0
 #endif
 // MOK_BWD_MEGAKERNEL_DECODE_AHEAD=1: the producer decodes its next ticket
-// before the current task's loads instead of after them (see the producer).
-// ncu (2026-12-06, H100, shape 1) put the consumers' extra waits for TMA data
-// at task transitions, where the decode's dependent loads and then the first
-// load's latency were exposed with only 4 stages (~3 us of math) in the ring.
-// =0: decode after the loads, for an A/B.
+// right after publishing the current task, before the current task's loads,
+// instead of before its waits (see the producer). ncu (2026-12-06, H100,
+// shape 1) put the consumers' extra waits for TMA data at task transitions,
+// where the decode's dependent loads and then the first load's latency were
+// exposed with only 4 stages (~3 us of math) in the ring. Measured (H100,
+// same call, medians of 20, two alternations, benchmarks/RESULTS.md
+// "Fourteenth and fifteenth sessions"): GEMM part 9.73 / 9.77 ms against
+// 9.56 / 9.53 with =0, 1.8 % slower: the decode stays between the publish
+// and the first load (a hook after the first k block spilled), and the slot
+// costs a shared-memory copy per task. Default 0; kept for A/B.
 #ifndef MOK_BWD_MEGAKERNEL_DECODE_AHEAD
-#define MOK_BWD_MEGAKERNEL_DECODE_AHEAD 1
+#define MOK_BWD_MEGAKERNEL_DECODE_AHEAD 0
 #endif
 // MOK_BWD_MEGAKERNEL_WAIT_CACHE=1: the producer skips the dependency wait
 // (acquire load, then proxy fence) when the task's expert is the one it last
-// acquired for that counter (see the producer). =0: every task waits, for an A/B.
+// acquired for that counter (see the producer). Measured in the same call:
+// 9.56 / 9.63 ms against 9.56 / 9.53 with =0: no gain (the satisfied
+// acquire is not on the critical path). Default 0; kept for A/B.
 #ifndef MOK_BWD_MEGAKERNEL_WAIT_CACHE
-#define MOK_BWD_MEGAKERNEL_WAIT_CACHE 1
+#define MOK_BWD_MEGAKERNEL_WAIT_CACHE 0
 #endif
 
 // Ticket -> task (megakernel_bwd.cuh). Not inlined: the producer thread runs
@@ -419,7 +426,8 @@ const char* launch_backward_megakernel(const Problem& pr, const BackwardMegakern
                                        cudaStream_t stream) {
   // No early return without tokens: the weight gradients still get their zeros.
   const int64_t R = pr.row_capacity(), H = pr.hidden, F = pr.ffn, E = pr.experts;
-  if (E >= 0xffff) return "mok cuda backward megakernel: needs fewer than 65535 experts per call";  // 16-bit expert ids
+  if (MOK_BWD_MEGAKERNEL_WAIT_CACHE && E >= 0xffff)  // the wait cache keeps 16-bit expert ids
+    return "mok cuda backward megakernel: needs fewer than 65535 experts per call";
   MegaMaps maps;
   MegaParams p;
   std::memset(&maps, 0, sizeof(maps));
