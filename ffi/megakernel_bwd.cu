@@ -50,11 +50,6 @@ struct Task {
   Unit x;
 };
 
-// Shared memory: the forward tile's layout (stages, barriers and task slots,
-// 8 consumer-warp staging buffers), then the producer's decoded next task.
-constexpr int kNextTaskOffset = kStages * kStageBytes + kBarrierBytes + 8 * kStgWarpBytes;
-constexpr int kMegaSmemBytes = kSmemBytes + static_cast<int>((sizeof(Task) + 15) / 16 * 16);
-
 __device__ __forceinline__ int expert_tiles(const int32_t* off, int e) { return (off[e + 1] - off[e]) / kBM; }
 
 // Block b of phase 2 starts b * W + (b >= 1 ? off[b - 1] / 128 * nb_h : 0)
@@ -80,28 +75,6 @@ __device__ __forceinline__ int block_start(const MegaParams& p, int b, int w) {
 #endif
 #ifndef MOK_BWD_MEGAKERNEL_PHASED
 #define MOK_BWD_MEGAKERNEL_PHASED 0
-#endif
-// MOK_BWD_MEGAKERNEL_DECODE_AHEAD=1: the producer decodes its next ticket
-// right after publishing the current task, before the current task's loads,
-// instead of before its waits (see the producer). ncu (2026-12-06, H100,
-// shape 1) put the consumers' extra waits for TMA data at task transitions,
-// where the decode's dependent loads and then the first load's latency were
-// exposed with only 4 stages (~3 us of math) in the ring. Measured (H100,
-// same call, medians of 20, two alternations, benchmarks/RESULTS.md
-// "Fourteenth and fifteenth sessions"): GEMM part 9.73 / 9.77 ms against
-// 9.56 / 9.53 with =0, 1.8 % slower: the decode stays between the publish
-// and the first load (a hook after the first k block spilled), and the slot
-// costs a shared-memory copy per task. Default 0; kept for A/B.
-#ifndef MOK_BWD_MEGAKERNEL_DECODE_AHEAD
-#define MOK_BWD_MEGAKERNEL_DECODE_AHEAD 0
-#endif
-// MOK_BWD_MEGAKERNEL_WAIT_CACHE=1: the producer skips the dependency wait
-// (acquire load, then proxy fence) when the task's expert is the one it last
-// acquired for that counter (see the producer). Measured in the same call:
-// 9.56 / 9.63 ms against 9.56 / 9.53 with =0: no gain (the satisfied
-// acquire is not on the critical path). Default 0; kept for A/B.
-#ifndef MOK_BWD_MEGAKERNEL_WAIT_CACHE
-#define MOK_BWD_MEGAKERNEL_WAIT_CACHE 0
 #endif
 
 // Ticket -> task (megakernel_bwd.cuh). Not inlined: the producer thread runs
@@ -174,11 +147,6 @@ __device__ __noinline__ Task decode_ticket(const MegaParams& p, int tk, int used
   return t;
 }
 
-// decode_ticket into a shared slot (the producer's decode-ahead).
-__device__ __noinline__ void decode_into(Task* out, const MegaParams& p, int tk, int used_tiles) {
-  *out = decode_ticket(p, tk, used_tiles);
-}
-
 // A consumer warpgroup's half of one task (bwd_tile.cuh's consume_unit with
 // the register epilogues); returns the stage counter. Two builds, A/B on an
 // H100 (tests/cuda/gpu_session_bwd_mk.sh, benchmarks/RESULTS.md 2026-12-05):
@@ -238,7 +206,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* done_empty = done_full + kTaskSlots;
   int2* done_info = reinterpret_cast<int2*>(done_empty + kTaskSlots);
   Task* tasks = reinterpret_cast<Task*>(done_info + kTaskSlots);
-  Task* next_task = reinterpret_cast<Task*>(smem + kNextTaskOffset);  // the producer's decoded next task
   static_assert(8 * (2 * kStages + 4 * kTaskSlots) + 8 * kTaskSlots + sizeof(Task) * kTaskSlots <= kBarrierBytes,
                 "barrier area");
 
@@ -274,72 +241,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       // the forward megakernel): the lowest unfinished ticket is always the
       // one its CTA is working on, and its waits point lower still.
       int next = atomicAdd(&p.ctr[kTicket], 1);
-      // The experts whose dd_done (low 16 bits) and wd_done (high 16 bits)
-      // targets this thread last acquired, 0xffff for none (E < 65535,
-      // checked on the host). One register: two spilled 4 B across decode_into.
-      uint32_t seen = 0xffffffffu;
-#if MOK_BWD_MEGAKERNEL_DECODE_AHEAD
-      // The next task is decoded (a binary search over the expert offsets: a
-      // chain of dependent global loads) before the current one's loads, into
-      // a producer-private shared slot: at a task's end the producer goes
-      // straight to the next one's waits and loads, and the decode's latency
-      // falls while the ring is full (the producer runs ahead of the
-      // consumers; its first empty-stage wait would block anyway). Its waits
-      // stay after all of the current task's loads (a wait may point to that
-      // very task). A Task held in registers across the loads made ptxas fail
-      // to allocate the kernel (C7600), hence the slot; the producer reads its
-      // unit from the published slot, valid until the consumers release it at
-      // the task's end (and rewritten only after that).
-      decode_into(next_task, p, next, used_tiles);
-      for (;;) {
-        const int kind = next_task->kind, e = next_task->e;
-#else
       for (;;) {
         const Task t = decode_ticket(p, next, used_tiles);
-        const int kind = t.kind, e = t.e;
-#endif
-        if (kind != kEnd) next = atomicAdd(&p.ctr[kTicket], 1);
-        // Each wait is followed by the proxy fence: rows other CTAs wrote,
-        // read next by TMA. The counters only grow, so once this thread has
-        // acquired expert e's target the ordering holds for its later loads
-        // too: a task of the same expert as the last one acquired (common:
-        // a CTA's successive tickets mostly fall in one expert's block) skips
-        // the acquire's L2 round trip and the fence.
-        if (kind == kWgradDown || kind == kWgradGateUp) {
-          if (!MOK_BWD_MEGAKERNEL_WAIT_CACHE || static_cast<uint32_t>(e) != (seen & 0xffffu)) {
-            wait_at_least(&dd_done[e], expert_tiles(p.expert_offsets, e) * p.nb_f, flags);
-            fence_proxy_async_global();
-            seen = (seen & 0xffff0000u) | static_cast<uint32_t>(e);
-          }
-        } else if (kind == kDgradGateUp) {
-          if (!MOK_BWD_MEGAKERNEL_WAIT_CACHE || static_cast<uint32_t>(e) != (seen >> 16)) {
-            wait_at_least(&wd_done[e], p.n_wd, flags);
-            fence_proxy_async_global();
-            seen = (seen & 0xffffu) | (static_cast<uint32_t>(e) << 16);
-          }
-        }
+        if (t.kind != kEnd) next = atomicAdd(&p.ctr[kTicket], 1);
+        if (t.kind == kWgradDown || t.kind == kWgradGateUp)
+          wait_at_least(&dd_done[t.e], expert_tiles(p.expert_offsets, t.e) * p.nb_f, flags);
+        else if (t.kind == kDgradGateUp)
+          wait_at_least(&wd_done[t.e], p.n_wd, flags);
+        if (t.kind > kDgradDown) fence_proxy_async_global();  // rows other CTAs wrote, read next by TMA
         const uint32_t qs = q % kTaskSlots;
         ptx::mbar_wait(&task_empty[qs], ((q / kTaskSlots) & 1) ^ 1);
-#if MOK_BWD_MEGAKERNEL_DECODE_AHEAD
-        tasks[qs] = *next_task;
-#else
         tasks[qs] = t;
-#endif
         ptx::mbar_arrive(&task_full[qs]);
         ++q;
-        if (kind == kEnd) break;
-#if MOK_BWD_MEGAKERNEL_DECODE_AHEAD
-        const Unit& x = tasks[qs].x;
-        decode_into(next_task, p, next, used_tiles);
-#else
-        const Unit& x = t.x;
-#endif
-        if (kind == kDgradDown)
-          produce_unit<kSwiGLU>(maps.dd, p.dd, x, smem, full_bar, empty_bar, it);
-        else if (kind == kDgradGateUp)
-          produce_unit<kSum2>(maps.gu, p.gu, x, smem, full_bar, empty_bar, it);
+        if (t.kind == kEnd) break;
+        if (t.kind == kDgradDown)
+          produce_unit<kSwiGLU>(maps.dd, p.dd, t.x, smem, full_bar, empty_bar, it);
+        else if (t.kind == kDgradGateUp)
+          produce_unit<kSum2>(maps.gu, p.gu, t.x, smem, full_bar, empty_bar, it);
         else
-          produce_unit<kWgrad>(maps.wg, p.wg, x, smem, full_bar, empty_bar, it);
+          produce_unit<kWgrad>(maps.wg, p.wg, t.x, smem, full_bar, empty_bar, it);
       }
     }
     if (threadIdx.x == 32) {
@@ -426,8 +347,6 @@ const char* launch_backward_megakernel(const Problem& pr, const BackwardMegakern
                                        cudaStream_t stream) {
   // No early return without tokens: the weight gradients still get their zeros.
   const int64_t R = pr.row_capacity(), H = pr.hidden, F = pr.ffn, E = pr.experts;
-  if (MOK_BWD_MEGAKERNEL_WAIT_CACHE && E >= 0xffff)  // the wait cache keeps 16-bit expert ids
-    return "mok cuda backward megakernel: needs fewer than 65535 experts per call";
   MegaMaps maps;
   MegaParams p;
   std::memset(&maps, 0, sizeof(maps));
@@ -491,7 +410,7 @@ const char* launch_backward_megakernel(const Problem& pr, const BackwardMegakern
 
   static std::atomic<int> attr_done{0};
   if (attr_done.load() == 0) {
-    if (cudaFuncSetAttribute(moe_backward_megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMegaSmemBytes) !=
+    if (cudaFuncSetAttribute(moe_backward_megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) !=
         cudaSuccess)
       return "mok cuda backward megakernel: cudaFuncSetAttribute failed";
     attr_done.store(1);
@@ -500,7 +419,7 @@ const char* launch_backward_megakernel(const Problem& pr, const BackwardMegakern
     return "mok cuda backward megakernel: counter reset failed";
   // One CTA per SM (216 KB of shared memory each). Tickets are claimed by
   // running CTAs only, so the schedule holds whatever the residency.
-  moe_backward_megakernel<<<std::max(1, num_sms), kThreads, kMegaSmemBytes, stream>>>(maps, p);
+  moe_backward_megakernel<<<std::max(1, num_sms), kThreads, kSmemBytes, stream>>>(maps, p);
   if (cudaGetLastError() != cudaSuccess) return "mok cuda backward megakernel: launch failed";
   return nullptr;
 }

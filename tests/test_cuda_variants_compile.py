@@ -58,27 +58,18 @@ def test_variant_compiles_without_spills(flag, source, kernel, tmp_path):
         f"{flag} {source}: (stack, spill) bytes {kernels}"
 
 
-@pytest.mark.parametrize("inline,phased,task_smem,ahead,cache",
-                         [(0, 0, 0, 0, 0), (1, 0, 0, 0, 0), (1, 1, 0, 0, 0), (1, 0, 1, 0, 0),
-                          (1, 0, 1, 1, 1), (1, 0, 1, 0, 1), (1, 0, 1, 1, 0)])
-def test_backward_megakernel_register_budget(inline, phased, task_smem, ahead, cache, tmp_path):
+@pytest.mark.parametrize("inline,phased,task_smem", [(0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 0, 1)])
+def test_backward_megakernel_register_budget(inline, phased, task_smem, tmp_path):
     """The persistent backward megakernel (megakernel_bwd.cu), both builds of
     its consume task: inlined (measured faster) within a small spill budget
     when the task is copied to registers (TASK_IN_SMEM=0: 152 bytes today),
     not inlined with no spills anywhere; the staged-order ticket decode
     (MOK_BWD_MEGAKERNEL_PHASED, measurement); and the default, inlined with
     the task read from its shared slot (MOK_BWD_MEGAKERNEL_TASK_IN_SMEM=1),
-    which must not spill at all (that is why it is the default), with the
-    producer decoding its next ticket before its waits (the default) or
-    right after publishing the current task (MOK_BWD_MEGAKERNEL_DECODE_AHEAD=1),
-    and acquiring every dependency (the default) or skipping one it already
-    acquired (MOK_BWD_MEGAKERNEL_WAIT_CACHE=1): the 2 x 2 that
-    tests/cuda/gpu_session_bwd_mk.sh times (both measured, neither faster)."""
+    which must not spill at all (that is why it is the default)."""
     spills = compile_kernels("megakernel_bwd.cu", [f"-DMOK_BWD_MEGAKERNEL_INLINE={inline}",
                                                    f"-DMOK_BWD_MEGAKERNEL_PHASED={phased}",
-                                                   f"-DMOK_BWD_MEGAKERNEL_TASK_IN_SMEM={task_smem}",
-                                                   f"-DMOK_BWD_MEGAKERNEL_DECODE_AHEAD={ahead}",
-                                                   f"-DMOK_BWD_MEGAKERNEL_WAIT_CACHE={cache}"],
+                                                   f"-DMOK_BWD_MEGAKERNEL_TASK_IN_SMEM={task_smem}"],
                              tmp_path)
     kernels = {k: v for k, v in spills.items() if "moe_backward_megakernel" in k}
     assert len(kernels) == 1, f"ptxas reported {sorted(spills)}"

@@ -1,14 +1,11 @@
 #!/usr/bin/env bash
 # One device call for the persistent backward megakernel (megakernel_bwd.cu): four builds,
-# the 2 x 2 of the producer's task-transition knobs (2026-12-06; earlier variants, measured
-# and recorded in benchmarks/RESULTS.md, are compile-tested only:
-# tests/test_cuda_variants_compile.py):
-#   /tmp/mk2: the default (MOK_BWD_MEGAKERNEL_DECODE_AHEAD=0: the next ticket decoded before
-#             its waits; MOK_BWD_MEGAKERNEL_WAIT_CACHE=0: every task acquires its dependency)
-#   /tmp/mk1: DECODE_AHEAD=1 (decoded right after publishing the current task), WAIT_CACHE=1
-#   /tmp/mk0: DECODE_AHEAD=0, WAIT_CACHE=1
-#   /tmp/mk3: DECODE_AHEAD=1, WAIT_CACHE=0
-# (measured 2026-12-06 on an H100: both knobs on is 1.8 % slower, the cache alone no gain)
+#   /tmp/mk1: the default (inlined consume task, task read from its shared slot)
+#   /tmp/mk0: MOK_BWD_MEGAKERNEL_INLINE=0 (__noinline__ consume task)
+#   /tmp/mk2: MOK_BWD_MEGAKERNEL_PHASED=1 (the staged kernels' task order)
+#   /tmp/mk3: MOK_BWD_MEGAKERNEL_TASK_IN_SMEM=0 (the task copied to registers, 152 B of spills)
+# (variants measured and removed from the source, e.g. the producer's decode-ahead and wait
+# cache of 2026-12-06, are recorded in benchmarks/RESULTS.md),
 # then SASS check (HGMMA, wgmma fences, local memory and generic loads per function), bitwise
 # correctness against the staged backward, compute-sanitizer memcheck, timing staged vs
 # megakernel (alternating), and (steps ncu, ncu_src, not in the default set) warp-stall and
@@ -26,12 +23,12 @@ if has build; then
   build() {  # build DIR LOG FLAGS
     (OUTDIR=$1 BUILD_ONLY=1 EXTRA_NVCC_FLAGS="$3" bash tests/cuda/build_and_run_backward.sh > "$out/$2.log" 2>&1; echo $? > /tmp/$2.rc) &
   }
-  build $B0 build0 "-DMOK_BWD_MEGAKERNEL_DECODE_AHEAD=0 -DMOK_BWD_MEGAKERNEL_WAIT_CACHE=1"
-  build $B1 build1 "-DMOK_BWD_MEGAKERNEL_DECODE_AHEAD=1 -DMOK_BWD_MEGAKERNEL_WAIT_CACHE=1"
-  build $B2 build2 ""
-  build $B3 build3 "-DMOK_BWD_MEGAKERNEL_DECODE_AHEAD=1 -DMOK_BWD_MEGAKERNEL_WAIT_CACHE=0"
+  build $B0 build0 -DMOK_BWD_MEGAKERNEL_INLINE=0
+  build $B1 build1 ""
+  build $B2 build2 -DMOK_BWD_MEGAKERNEL_PHASED=1
+  build $B3 build3 -DMOK_BWD_MEGAKERNEL_TASK_IN_SMEM=0
   wait
-  summary+=("build mk0 rc=$(cat /tmp/build0.rc) mk1 rc=$(cat /tmp/build1.rc) mk2 rc=$(cat /tmp/build2.rc) mk3 rc=$(cat /tmp/build3.rc)")
+  summary+=("build inline0 rc=$(cat /tmp/build0.rc) default rc=$(cat /tmp/build1.rc) phased rc=$(cat /tmp/build2.rc) task_in_regs rc=$(cat /tmp/build3.rc)")
 fi
 sass_counts() {  # per function: HGMMA, WARPGROUP.DEPBAR, WARPGROUP.ARRIVE, LDL+STL, generic LD
   cuobjdump --dump-sass "$1" | awk '/Function :/{f=$3} /HGMMA/{h[f]++} /WARPGROUP.DEPBAR/{d[f]++} /WARPGROUP.ARRIVE/{a[f]++} /LDL|STL/{l[f]++} / LD\./{g[f]++} /Function :/{seen[f]=1}
@@ -50,9 +47,9 @@ if has corr; then
   step corr2 150 $B2/backward_standalone --correctness --megakernel
   step corr3 150 $B3/backward_standalone --correctness --megakernel
 fi
-has memcheck && step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 $B2/backward_standalone --case odd_dims --megakernel
+has memcheck && step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 $B1/backward_standalone --case odd_dims --megakernel
 if has timing; then
-  step t_mk2_check 90 $B2/backward_standalone --timing --iters 20 --megakernel
+  step t_mk1_check 90 $B1/backward_standalone --timing --iters 20 --megakernel
   for r in 1 2; do
     step t_staged$r 60 $B0/backward_standalone --timing --iters 20 --no-check
     # the staged kernels with the megakernel's register epilogues (TMA stores off)
@@ -68,9 +65,9 @@ if has ncu; then
   # instruction, tensor-pipe activity, L2 hit rate, DRAM bytes, duration)
   nsec="--section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section InstructionStats --section LaunchStats"
   step ncu_mk 200 ncu --clock-control none -k regex:moe_backward_megakernel --launch-skip 1 -c 1 $nsec --page raw \
-    $B2/backward_standalone --timing --iters 2 --no-check --megakernel
+    $B1/backward_standalone --timing --iters 2 --no-check --megakernel
   step ncu_staged 200 ncu --clock-control none -k regex:bwd_gemm_kernel --launch-skip 3 -c 3 $nsec --page raw \
-    $B2/backward_standalone --timing --iters 2 --no-check
+    $B1/backward_standalone --timing --iters 2 --no-check
 fi
 if has ncu_src; then
   # per-source-line and per-SASS-instruction warp-stall samples (where the megakernel's
@@ -79,7 +76,7 @@ if has ncu_src; then
     if [ $k = mk ]; then sel="-k regex:moe_backward_megakernel --launch-skip 1 -c 1"; extra=--megakernel
     else sel="-k regex:bwd_gemm_kernel --launch-skip 3 -c 3"; extra=; fi
     step ncu_src_$k 240 ncu --clock-control none $sel --section SourceCounters --section WarpStateStats \
-      --import-source yes -f -o /tmp/src_$k $B2/backward_standalone --timing --iters 2 --no-check $extra
+      --import-source yes -f -o /tmp/src_$k $B1/backward_standalone --timing --iters 2 --no-check $extra
     ncu -i /tmp/src_$k.ncu-rep --page source --csv --print-source sass > /tmp/src_${k}_sass.csv 2>&1
     python3 tests/cuda/ncu_stall_table.py /tmp/src_${k}_sass.csv 30 > "$out/stall_$k.txt" 2>&1
   done

@@ -12,16 +12,16 @@ from collections import defaultdict
 
 
 def blocks(rows):
-    """Splits the export into (kernel name, header, rows): a header row names 'Address'."""
-    cur, name = None, "?"
+    """Splits the export into [(kernel name, header, rows)]: a header row names 'Address'."""
+    out, name = [], "?"
     for r in rows:
         if r and r[0] == "Kernel Name":
             name = r[1] if len(r) > 1 else "?"
         elif r and any(c.strip() == "Address" for c in r[:3]):
-            cur = (name, r, [])
-            yield cur
-        elif cur is not None and r:
-            cur[2].append(r)
+            out.append((name, r, []))
+        elif out and r:
+            out[-1][2].append(r)
+    return out
 
 
 def num(s):
@@ -33,7 +33,7 @@ def num(s):
 
 def summarise(header, rows, top_n):
     col = {h.strip(): i for i, h in enumerate(header)}
-    src = next((i for h, i in col.items() if h == "Source"), None)
+    src = col.get("Source")
     addr = col.get("Address")
     total_col = next((h for h in col if re.search(r"Warp Stall Sampling \(All", h)), None)
     # per-reason sample columns (all samples; the '(Not Issued)' copies are left out)
@@ -85,8 +85,7 @@ def main():
     top_n = int(sys.argv[2]) if len(sys.argv) > 2 else 25
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
-    print("first rows:", rows[:3])
-    for k, (name, header, body) in enumerate(list(blocks(rows))):  # blocks fills lazily
+    for k, (name, header, body) in enumerate(blocks(rows)):
         print(f"================ kernel block {k}: {name[:120]}")
         summarise(header, body, top_n)
 
