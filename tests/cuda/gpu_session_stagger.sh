@@ -12,10 +12,15 @@
 #   STAGGERS: the values timed (default "0 1 2 3"); FULL_SHAPES: shapes timed
 #   with every value (default "1 4"), the others with 0 and 2 only.
 set -uo pipefail
-out="${OUT:-/tmp/mok_stagger_out}"
-mkdir -p "$out"
+# Logs go to $LOGS; $OUT gets them as one file (all_logs.txt, rewritten after
+# every phase, so a call stopped at its limit still brings back what ran) and
+# summary.txt: the device tool brings back only a few files.
+final="${OUT:-/tmp/mok_stagger_out}"
+out="${LOGS:-/tmp/mok_stagger_logs}"
+mkdir -p "$out" "$final"
 steps="${*:-build sass corr sanitize timing_fwd timing_bwd}"
 source "$(dirname "$0")/session_common.sh"
+collect() { for f in "$out"/*.log "$out"/*.txt; do [ -f "$f" ] && { echo "=== $(basename "$f")"; cat "$f"; }; done > "$final/all_logs.txt" 2>&1; }
 B=/tmp/stg
 FS=$B/forward_standalone
 BS=$B/backward_standalone
@@ -23,12 +28,14 @@ S=MOK_CUDA_GEMM_STAGGER
 if has build; then
   step build 300 env OUTDIR=$B BUILD_ONLY=1 bash tests/cuda/build_and_run_backward.sh || tail -30 "$out/build.log"
 fi
+collect
 if has sass; then
   for o in gemm_wgmma gemm_wgmma_bwd; do
     cuobjdump --dump-sass $B/lib/$o.o | awk -v o=$o '/Function :/{f=$3; seen[f]=1} /HGMMA/{h[f]++} /BAR.ARV/{a[f]++} /BAR.SYNC/{s[f]++} /LDL|STL/{l[f]++}
       END{for(k in seen) printf "%s: HGMMA %d BAR.ARV %d BAR.SYNC %d LDL/STL %d  %s\n", o, h[k], a[k], s[k], l[k], substr(k,1,100)}'
   done > "$out/sass.txt" 2>&1
 fi
+collect
 if has corr; then
   step corr_fwd2 200 env $S=2 $FS --correctness --staged
   step corr_bwd2 300 env $S=2 $BS --correctness --megakernel
@@ -37,12 +44,14 @@ if has corr; then
     step corr_bwd$g 90 env $S=$g $BS --case stagger_k --megakernel
   done
 fi
+collect
 if has sanitize; then
   for tool in memcheck racecheck synccheck; do
     step ${tool}_fwd 150 env $S=2 compute-sanitizer --tool $tool --error-exitcode 9 $FS --case stagger_k --staged
     step ${tool}_bwd 150 env $S=2 compute-sanitizer --tool $tool --error-exitcode 9 $BS --case stagger_k
   done
 fi
+collect
 SHAPES=("" "32768,2048,768,128,8" "32768,4096,1024,128,8" "4096,7168,2048,32,8" "8192,4096,14336,8,2")
 STAGGERS="${STAGGERS:-0 1 2 3}"
 FULL="${FULL_SHAPES:-1 4}"
@@ -56,6 +65,7 @@ if has timing_fwd; then
     done
   done
 fi
+collect
 if has timing_bwd; then
   for r in 1 2; do
     for g in $STAGGERS; do
@@ -63,6 +73,7 @@ if has timing_bwd; then
     done
   done
 fi
+collect
 {
   echo "================ summary"
   cat "$out/gpu.txt" 2>/dev/null
@@ -82,4 +93,5 @@ fi
     printf '%-12s %s | %s\n' "$(basename $f .log)" "$(grep -oE 'backward median [0-9.]+' "$f" | grep -oE '[0-9.]+$')" \
       "$(grep -oE 'dgrad-down\+swiglu [0-9.]+ ms.*' "$f" | cut -c1-150)"
   done
-} | tee "$out/summary.txt"
+} | tee "$final/summary.txt"
+collect
