@@ -61,6 +61,7 @@ if has timing_fwd; then
       for g in $STAGGERS; do
         [[ " $FULL " == *" $sh "* || "$g" = 0 || "$g" = 2 ]] || continue
         step tf_s${sh}_g${g}_r$r 90 env $S=$g $FS --timing --iters 20 --staged --no-check --shape "${SHAPES[$sh]}"
+        collect
       done
     done
   done
@@ -70,6 +71,7 @@ if has timing_bwd; then
   for r in 1 2; do
     for g in $STAGGERS; do
       step tb_g${g}_r$r 90 env $S=$g $BS --timing --iters 20 --no-check
+      collect
     done
   done
 fi
