@@ -6,11 +6,10 @@
 # the fp64 reference; backward cases also bitwise against the megakernel,
 # which never staggers), compute-sanitizer on the stagger case, then timing
 # of the staged forward (shapes 1-4) and backward (harness shape 1) for each
-# stagger, alternated twice.
+# stagger (0 against 2 twice, alternated; then 1 and 3 at shapes 1 and 4).
 # Usage (GPU host, repo root): bash tests/cuda/gpu_session_stagger.sh [steps...]
-#   steps default: build sass corr sanitize timing_fwd timing_bwd
-#   STAGGERS: the values timed (default "0 1 2 3"); FULL_SHAPES: shapes timed
-#   with every value (default "1 4"), the others with 0 and 2 only.
+#   steps default: build corr timing sass sanitize (the order they run in: a
+#   call stopped at its limit has the A/B first)
 set -uo pipefail
 # Logs go to $LOGS; $OUT gets them as one file (all_logs.txt, rewritten after
 # every phase, so a call stopped at its limit still brings back what ran) and
@@ -18,7 +17,7 @@ set -uo pipefail
 final="${OUT:-/tmp/mok_stagger_out}"
 out="${LOGS:-/tmp/mok_stagger_logs}"
 mkdir -p "$out" "$final"
-steps="${*:-build sass corr sanitize timing_fwd timing_bwd}"
+steps="${*:-build corr timing sass sanitize}"
 source "$(dirname "$0")/session_common.sh"
 collect() { for f in "$out"/*.log "$out"/*.txt; do [ -f "$f" ] && { echo "=== $(basename "$f")"; cat "$f"; }; done > "$final/all_logs.txt" 2>&1; }
 B=/tmp/stg
@@ -27,13 +26,6 @@ BS=$B/backward_standalone
 S=MOK_CUDA_GEMM_STAGGER
 if has build; then
   step build 300 env OUTDIR=$B BUILD_ONLY=1 bash tests/cuda/build_and_run_backward.sh || tail -30 "$out/build.log"
-fi
-collect
-if has sass; then
-  for o in gemm_wgmma gemm_wgmma_bwd; do
-    cuobjdump --dump-sass $B/lib/$o.o | awk -v o=$o '/Function :/{f=$3; seen[f]=1} /HGMMA/{h[f]++} /BAR.ARV/{a[f]++} /BAR.SYNC/{s[f]++} /LDL|STL/{l[f]++}
-      END{for(k in seen) printf "%s: HGMMA %d BAR.ARV %d BAR.SYNC %d LDL/STL %d  %s\n", o, h[k], a[k], s[k], l[k], substr(k,1,100)}'
-  done > "$out/sass.txt" 2>&1
 fi
 collect
 if has corr; then
@@ -45,6 +37,32 @@ if has corr; then
   done
 fi
 collect
+SHAPES=("" "32768,2048,768,128,8" "32768,4096,1024,128,8" "4096,7168,2048,32,8" "8192,4096,14336,8,2")
+# timing_pass TAG "STAGGERS" "SHAPES": the staged forward at each shape, then
+# the backward (harness shape 1), for each stagger in turn.
+timing_pass() {
+  for g in $2; do
+    for sh in $3; do
+      step tf_s${sh}_g${g}_$1 90 env $S=$g $FS --timing --iters 20 --staged --no-check --shape "${SHAPES[$sh]}"
+      collect
+    done
+    step tb_g${g}_$1 90 env $S=$g $BS --timing --iters 20 --no-check
+    collect
+  done
+}
+# The decisive A/B first (0 against 2, twice, in alternating order), then 1 and 3.
+if has timing; then
+  timing_pass r1 "0 2" "1 2 3 4"
+  timing_pass r2 "2 0" "1 2 3 4"
+  timing_pass r3 "1 3" "1 4"
+fi
+if has sass; then
+  for o in gemm_wgmma gemm_wgmma_bwd; do
+    cuobjdump --dump-sass $B/lib/$o.o | awk -v o=$o '/Function :/{f=$3; seen[f]=1} /HGMMA/{h[f]++} /BAR.ARV/{a[f]++} /BAR.SYNC/{s[f]++} /LDL|STL/{l[f]++}
+      END{for(k in seen) printf "%s: HGMMA %d BAR.ARV %d BAR.SYNC %d LDL/STL %d  %s\n", o, h[k], a[k], s[k], l[k], substr(k,1,100)}'
+  done > "$out/sass.txt" 2>&1
+fi
+collect
 if has sanitize; then
   for tool in memcheck racecheck synccheck; do
     step ${tool}_fwd 150 env $S=2 compute-sanitizer --tool $tool --error-exitcode 9 $FS --case stagger_k --staged
@@ -52,29 +70,6 @@ if has sanitize; then
   done
 fi
 collect
-SHAPES=("" "32768,2048,768,128,8" "32768,4096,1024,128,8" "4096,7168,2048,32,8" "8192,4096,14336,8,2")
-STAGGERS="${STAGGERS:-0 1 2 3}"
-FULL="${FULL_SHAPES:-1 4}"
-if has timing_fwd; then
-  for r in 1 2; do
-    for sh in 1 2 3 4; do
-      for g in $STAGGERS; do
-        [[ " $FULL " == *" $sh "* || "$g" = 0 || "$g" = 2 ]] || continue
-        step tf_s${sh}_g${g}_r$r 90 env $S=$g $FS --timing --iters 20 --staged --no-check --shape "${SHAPES[$sh]}"
-        collect
-      done
-    done
-  done
-fi
-collect
-if has timing_bwd; then
-  for r in 1 2; do
-    for g in $STAGGERS; do
-      step tb_g${g}_r$r 90 env $S=$g $BS --timing --iters 20 --no-check
-      collect
-    done
-  done
-fi
 collect
 {
   echo "================ summary"
