@@ -76,7 +76,6 @@ struct BParams {
   // both
   int units;
   int group_m;  // rasterisation band (tile::raster)
-  int stagger;  // consumer stagger in k blocks (tile::stagger_tile, per unit), 0 = off
 };
 
 // One work unit, decoded identically by producer and consumers.
@@ -211,11 +210,6 @@ __device__ __forceinline__ void consume_unit(const MapsT& maps, const BParams& p
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
   }
-  // Consumer stagger (gemm_tile.cuh): both WGs decode the same units, so
-  // both take this branch or neither.
-  const bool stagger = tile::stagger_tile(p.stagger, x.kb_count);
-  if (stagger && cw == 1) ptx::named_bar_sync<tile::kStaggerBarrier, tile::kStaggerThreads>();
-  const int arrive_after = stagger && cw == 0 ? p.stagger - 1 : -1;
   uint32_t prev_s = 0;
   for (int kb = 0; kb < x.kb_count; ++kb, ++it) {
     const uint32_t s = it % kStages;
@@ -237,7 +231,6 @@ __device__ __forceinline__ void consume_unit(const MapsT& maps, const BParams& p
       }
     }
     ptx::wgmma_commit();
-    if (kb == arrive_after) ptx::named_bar_arrive<tile::kStaggerBarrier, tile::kStaggerThreads>();
     if (kb > 0) {
       ptx::wgmma_wait<1>();
       if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_s]);

@@ -158,17 +158,6 @@ __device__ __forceinline__ void wgmma_wait() {
 // Keeps the compiler from moving accumulator reads/writes across wgmma waits.
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// Named barriers (bar.arrive does not wait; bar.sync waits for kCount
-// threads, the arrivals included). kCount: threads, a multiple of 32.
-template <int kId, int kCount>
-__device__ __forceinline__ void named_bar_arrive() {
-  asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kCount) : "memory");
-}
-template <int kId, int kCount>
-__device__ __forceinline__ void named_bar_sync() {
-  asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kCount) : "memory");
-}
-
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));

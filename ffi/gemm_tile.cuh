@@ -107,38 +107,13 @@ __device__ __forceinline__ TileCoord raster(int u, int m_tiles, int n_tiles, int
   return {m0 + r % rows, r / rows};
 }
 
-// Consumer stagger of the staged GEMMs (gemm_wgmma.cu, bwd_tile.cuh): both
-// consumer warpgroups read every stage, so without it they finish each tile
-// together and run their epilogues together while the tensor cores idle.
-// With a stagger of L k blocks, consumer WG 1 starts each tile only after WG 0
-// has issued the tile's first L blocks (named barrier kStaggerBarrier: WG 0
-// arrives, WG 1 syncs): at the tile's end WG 1 still has ~L blocks to run
-// alone (one warpgroup's wgmma stream can fill the tensor cores) while WG 0
-// stores, and WG 0 runs the next tile's first blocks while WG 1 stores. The
-// cost: WG 1 releases each stage ~L blocks later, so WG 0 sees kStages - L
-// stages of prefetch.
-// Why the barrier can't be passed twice by WG 0 (which would let a phase
-// complete without WG 1): a tile is staggered only when it has at least
-// kStages + 1 k blocks; WG 0's arrival in a later staggered tile needs a
-// stage that only WG 1's release of a block of this tile (so after its sync
-// here) frees. Tiles with fewer blocks (and k-block-free units) skip both
-// sides. Results are bitwise those of stagger 0 (same MMAs, same order).
-constexpr int kStaggerBarrier = 1;  // the staged kernels use no other named barrier
-constexpr int kStaggerThreads = 256;
-constexpr int kMaxStagger = kStages - 1;
-__host__ __device__ __forceinline__ bool stagger_tile(int stagger, int k_blocks) {
-  return stagger > 0 && k_blocks >= kStages + 1;
-}
-
 // The consumer K loop of one tile: waits for each stage, issues 4 wgmma k16
 // steps into `acc` (overwriting it at kb = 0), keeps one wgmma group in flight
 // and hands each stage back with release(stage) once its MMAs retired.
-// `it` is the running stage counter shared with the producer. arrive_after
-// >= 0: after issuing block arrive_after, arrive on kStaggerBarrier (the
-// stagger's leader, WG 0).
+// `it` is the running stage counter shared with the producer.
 template <typename Release>
 __device__ __forceinline__ void mma_k_loop(float (&acc)[128], uint8_t* smem, uint64_t* full_bar, uint32_t& it,
-                                           int k_blocks, int cw, Release&& release, int arrive_after = -1) {
+                                           int k_blocks, int cw, Release&& release) {
   uint32_t prev_s = 0;
   for (int kb = 0; kb < k_blocks; ++kb, ++it) {
     const uint32_t s = it % kStages;
@@ -154,7 +129,6 @@ __device__ __forceinline__ void mma_k_loop(float (&acc)[128], uint8_t* smem, uin
       ptx::wgmma_m64n256k16_bf16<1>(acc, da, db, (kb | kk) != 0);
     }
     ptx::wgmma_commit();
-    if (kb == arrive_after) ptx::named_bar_arrive<kStaggerBarrier, kStaggerThreads>();
     if (kb > 0) {
       ptx::wgmma_wait<1>();
       release(prev_s);

@@ -81,8 +81,6 @@ using tile::kThreads;
 // tile::kTmaGemmSmemBytes of shared memory; a -DMOK_GEMM_TMA_STORE=0 build
 // has the register-to-global stores only (tile::TileStore, tile::kSmemBytes).
 constexpr int kKernelSmemBytes = tile::kStagedGemmSmemBytes;
-// Consumer stagger unless MOK_CUDA_GEMM_STAGGER says otherwise (gemm_stagger).
-constexpr int kDefaultStagger = 0;
 
 struct KParams {
   int m_rows;
@@ -98,7 +96,6 @@ struct KParams {
   __nv_bfloat16* out2;
   const uint64_t* row_dst;  // kStore: per-row destinations, or nullptr
   int zero_unused;
-  int stagger;  // consumer stagger in k blocks (tile::stagger_tile), 0 = off
 #if MOK_GEMM_TMA_STORE
   int tma_store;  // epilogue through TMA stores (tm_out*; not with row_dst)
 #endif
@@ -251,11 +248,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         continue;
       }
-      // Every unit has p.k_blocks blocks: the host sets p.stagger only when
-      // tile::stagger_tile holds for them.
-      if (p.stagger > 0 && cw == 1) ptx::named_bar_sync<tile::kStaggerBarrier, tile::kStaggerThreads>();
-      tile::mma_k_loop(acc, smem, full_bar, it, p.k_blocks, cw, release,
-                       p.stagger > 0 && cw == 0 ? p.stagger - 1 : -1);
+      tile::mma_k_loop(acc, smem, full_bar, it, p.k_blocks, cw, release);
 
       // ---------------------------------------------------------- epilogue
       const bool unused = g_self < 0;  // computed only to keep the pair in lock-step
@@ -410,17 +403,6 @@ int gemm_group_m() {
   return v;
 }
 
-// Consumer stagger (tile::stagger_tile): MOK_CUDA_GEMM_STAGGER in
-// [0, tile::kMaxStagger] overrides the default for measurement.
-int gemm_stagger() {
-  static const int v = [] {
-    const char* e = std::getenv("MOK_CUDA_GEMM_STAGGER");
-    const int g = e != nullptr ? std::atoi(e) : kDefaultStagger;
-    return g >= 0 && g <= tile::kMaxStagger ? g : kDefaultStagger;
-  }();
-  return v;
-}
-
 const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int num_sms, cudaStream_t stream) {
   const bool fused = epi == GemmEpilogue::kGateUpSwiGLU;
   if (a.m_rows <= 0) return nullptr;  // nothing to do
@@ -465,7 +447,6 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   p.out2 = static_cast<__nv_bfloat16*>(a.out2);
   p.row_dst = a.row_dst;
   p.zero_unused = a.zero_unused_tiles ? 1 : 0;
-  p.stagger = tile::stagger_tile(gemm_stagger(), p.k_blocks) ? gemm_stagger() : 0;
 
   // Output maps for the TMA-store epilogue: boxes of 64 columns x 16 rows (one
   // consumer warp's chunk). Not for per-row destinations (row_dst).

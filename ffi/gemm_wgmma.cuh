@@ -85,10 +85,6 @@ int gemm_group_m();
 // epilogues can also be picked one by one, MOK_CUDA_BWD_TMA_STORE in
 // gemm_wgmma_bwd.cu).
 int gemm_tma_store();
-// Consumer-warpgroup stagger of the staged GEMMs in k blocks (tile::stagger_tile,
-// gemm_tile.cuh): MOK_CUDA_GEMM_STAGGER (read once, 0..tile::kMaxStagger),
-// else the measured default.
-int gemm_stagger();
 
 // Dynamic shared memory one GEMM CTA uses (for reports).
 int grouped_gemm_smem_bytes();

@@ -255,15 +255,12 @@ const char* prepare_wgrad(const WgradArgs& a, bool allow_tma, Maps& maps, BParam
 
 }  // namespace bwd
 
-// The staged launches: one persistent kernel per variant, with the consumer
-// stagger (the megakernel's tasks, prepared by the same prepare_*, keep
-// p.stagger = 0: its task loop is not checked against the stagger's bound).
+// The staged launches: one persistent kernel per variant.
 const char* launch_dgrad_swiglu_bwd(const DgradArgs& a, int num_sms, cudaStream_t stream) {
   Maps maps;
   BParams p;
   bool tma;
   if (const char* e = prepare_swiglu(a, true, maps, p, tma)) return e == kEmpty ? nullptr : e;
-  p.stagger = gemm_stagger();
   return launch<kSwiGLU>(maps, p, tma, num_sms, stream);
 }
 
@@ -272,7 +269,6 @@ const char* launch_dgrad_sum2(const DgradArgs& a, int num_sms, cudaStream_t stre
   BParams p;
   bool tma;
   if (const char* e = prepare_sum2(a, true, maps, p, tma)) return e == kEmpty ? nullptr : e;
-  p.stagger = gemm_stagger();
   return launch<kSum2>(maps, p, tma, num_sms, stream);
 }
 
@@ -281,7 +277,6 @@ const char* launch_wgrad(const WgradArgs& a, int num_sms, cudaStream_t stream) {
   BParams p;
   bool tma;
   if (const char* e = prepare_wgrad(a, true, maps, p, tma)) return e;
-  p.stagger = gemm_stagger();
   return launch<kWgrad>(maps, p, tma, num_sms, stream);
 }
 

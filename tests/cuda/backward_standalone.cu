@@ -739,9 +739,6 @@ int main(int argc, char** argv) {
         // rows small beside the weights: the row buffers live in the gradient outputs
         {"dw_rows", 150, 512, 768, 4, 2, 0, Routing::kUniform, 0.1, false},          // H <= F: xs regathered
         {"dw_rows_hf", 150, 768, 512, 4, 2, 96, Routing::kSubset, 0.0, false},      // H > F: xs in workspace
-        // every GEMM's K >= 5 blocks of 64 (the weight gradients' for most experts):
-        // the staged kernels' consumer stagger runs, beside unstaggered units
-        {"stagger_k", 700, 384, 320, 4, 2, 64, Routing::kUniform, 0.05, false},
     };
     if (!small) {
       cases.push_back({"bigger", 1500, 512, 384, 16, 4, 256, Routing::kUniform, 0.05, false});

@@ -592,8 +592,6 @@ int main(int argc, char** argv) {
         {"bad_ids", 300, 256, 192, 8, 2, 64, Routing::kBadIds, 0.2, 1},
         {"tiny", 1, 64, 64, 3, 2, 64, Routing::kUniform, 0.0, 1},
         {"all_masked", 64, 128, 64, 4, 2, 64, Routing::kUniform, 1.01, 1},
-        // K of both GEMMs >= 5 blocks of 64: the staged GEMMs' consumer stagger runs
-        {"stagger_k", 520, 384, 320, 4, 2, 0, Routing::kUniform, 0.05, 1},
     };
     if (!small) {
       cases.push_back({"bigger", 4096, 1024, 512, 16, 4, 256, Routing::kUniform, 0.05, 61});
