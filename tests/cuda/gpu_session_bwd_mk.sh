@@ -72,14 +72,15 @@ fi
 if has ncu_src; then
   # per-source-line and per-SASS-instruction warp-stall samples (where the megakernel's
   # extra long-scoreboard, no-instruction and branch stalls sit); the report stays in /tmp
-  for k in mk staged; do
-    if [ $k = mk ]; then sel="-k regex:moe_backward_megakernel --launch-skip 1 -c 1"; extra=--megakernel
-    else sel="-k regex:bwd_gemm_kernel --launch-skip 3 -c 3"; extra=; fi
+  ncu_src() {  # ncu_src NAME "KERNEL SELECTION" [harness args...]
+    local k=$1 sel=$2; shift 2
     step ncu_src_$k 240 ncu --clock-control none $sel --section SourceCounters --section WarpStateStats \
-      --import-source yes -f -o /tmp/src_$k $B1/backward_standalone --timing --iters 2 --no-check $extra
+      --import-source yes -f -o /tmp/src_$k $B1/backward_standalone --timing --iters 2 --no-check "$@"
     ncu -i /tmp/src_$k.ncu-rep --page source --csv --print-source sass > /tmp/src_${k}_sass.csv 2>&1
     python3 tests/cuda/ncu_stall_table.py /tmp/src_${k}_sass.csv 30 > "$out/stall_$k.txt" 2>&1
-  done
+  }
+  ncu_src mk "-k regex:moe_backward_megakernel --launch-skip 1 -c 1" --megakernel
+  ncu_src staged "-k regex:bwd_gemm_kernel --launch-skip 3 -c 3"
 fi
 echo "================ summary"
 cat "$out/gpu.txt" "$out/sass.txt" 2>/dev/null

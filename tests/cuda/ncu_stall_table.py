@@ -31,6 +31,11 @@ def num(s):
         return 0.0
 
 
+def cell(r, i):
+    """Row r's number in column i (0 where the row is short or the cell is no number)."""
+    return num(r[i]) if len(r) > i else 0.0
+
+
 def summarise(header, rows, top_n):
     col = {h.strip(): i for i, h in enumerate(header)}
     src = col.get("Source")
@@ -42,23 +47,21 @@ def summarise(header, rows, top_n):
         print("no sampling column")
         return
     ti = col[total_col]
-    total = sum(num(r[ti]) for r in rows if len(r) > ti)
+    total = sum(cell(r, ti) for r in rows)
     print(f"{len(rows)} instructions, {total:.0f} samples in '{total_col}'")
-    sums = {h: sum(num(r[col[h]]) for r in rows if len(r) > col[h]) for h in stall_cols}
+    sums = {h: sum(cell(r, col[h]) for r in rows) for h in stall_cols}
     for h, v in sorted(sums.items(), key=lambda x: -x[1]):
         if v:
             print(f"  {v:10.0f}  {100 * v / max(total, 1):5.1f} %  {h}")
     by_op = defaultdict(float)
     for r in rows:
-        if len(r) > ti and src is not None:
-            op = r[src].strip().split(" ")[0] if r[src].strip() else "?"
-            if op.startswith("@"):
-                op = r[src].strip().split(" ")[1]
-            by_op[op.split(".")[0]] += num(r[ti])
+        if src is not None and len(r) > src:
+            words = [w for w in r[src].split() if not w.startswith("@")]  # drop the predicate
+            by_op[words[0].split(".")[0] if words else "?"] += cell(r, ti)
     print("samples per opcode:")
     for op, v in sorted(by_op.items(), key=lambda x: -x[1])[:20]:
         print(f"  {v:10.0f}  {100 * v / max(total, 1):5.1f} %  {op}")
-    order = sorted(range(len(rows)), key=lambda i: -num(rows[i][ti]) if len(rows[i]) > ti else 0)
+    order = sorted(range(len(rows)), key=lambda i: -cell(rows[i], ti))
     # the stall reason columns other than the total, for the per-instruction breakdown
     reasons = [h for h in stall_cols if sums[h]]
     shown = set()
@@ -70,8 +73,8 @@ def summarise(header, rows, top_n):
         for j in range(max(0, i - 3), min(len(rows), i + 4)):
             shown.add(j)
             r = rows[j]
-            v = num(r[ti]) if len(r) > ti else 0
-            top = sorted(((num(r[col[h]]), h) for h in reasons if len(r) > col[h]), reverse=True)[:2]
+            v = cell(r, ti)
+            top = sorted(((cell(r, col[h]), h) for h in reasons), reverse=True)[:2]
             why = ", ".join(f"{h[6:]}={x:.0f}" for x, h in top if x)
             mark = ">>" if j == i else "  "
             a = hex(int(r[addr], 16) - base) if addr is not None else ""
