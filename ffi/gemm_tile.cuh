@@ -34,12 +34,23 @@
 #define MOK_GEMM_TMA_STORE 1
 #endif
 
+// Measurement builds only (tests/cuda/gpu_session_stages.sh): the depth of
+// the load ring and the number of 2 KB TMA-store staging buffers per consumer
+// warp. The shipped 4 stages x 2 buffers and 3 stages x 5 buffers take the
+// same shared memory (4 x 48 KB + 8 x 4 KB = 3 x 48 KB + 8 x 10 KB).
+#ifndef MOK_GEMM_STAGES
+#define MOK_GEMM_STAGES 4
+#endif
+#ifndef MOK_GEMM_STG_BUFS
+#define MOK_GEMM_STG_BUFS 2
+#endif
+
 namespace mok::cuda::tile {
 
 constexpr int kBM = 128;             // CTA rows (2 consumer WGs x 64)
 constexpr int kBN = 256;             // wgmma N per consumer WG
 constexpr int kBK = 64;              // K per stage (128 B of bf16: one swizzle row)
-constexpr int kStages = 4;
+constexpr int kStages = MOK_GEMM_STAGES;
 constexpr int kABytes = kBM * kBK * 2;   // 16 KB
 constexpr int kBBytes = kBK * kBN * 2;   // 32 KB (4 chunks of 64 N x 64 K)
 constexpr int kBChunk = kBK * 64 * 2;    // 8 KB
@@ -52,14 +63,16 @@ constexpr int kStgWarpBytes = 16 * kStgPitch;
 constexpr int kBarrierBytes = 256;   // mbarriers and small shared words
 constexpr int kSmemBytes = kStages * kStageBytes + 1024 /*align slack*/ + kBarrierBytes + 8 * kStgWarpBytes;
 // The staged grouped GEMM's layout (gemm_wgmma.cu): its epilogue stores
-// through TMA (TmaTileStore), from two 16 x 64 bf16 buffers per consumer warp
+// through TMA (TmaTileStore), from kTmaStgBufs (2) 16 x 64 bf16 buffers per consumer warp
 // (dense 128-byte rows, 128-byte swizzle, so each buffer sits on a 1024-byte
 // boundary: the swizzle's 8-row period); the barriers take the first 256 B of
 // the 1024 before them. The rows-to-addresses epilogue (TileStore with
 // row_dst) uses the same per-warp region.
 constexpr int kTmaStgOffset = kStages * kStageBytes + 1024;
 constexpr int kTmaStgBufBytes = 16 * 128;
-constexpr int kTmaStgWarpBytes = 2 * kTmaStgBufBytes;
+constexpr int kTmaStgBufs = MOK_GEMM_STG_BUFS;
+static_assert(kTmaStgBufs >= 2, "TmaTileStore alternates at least two buffers");
+constexpr int kTmaStgWarpBytes = kTmaStgBufs * kTmaStgBufBytes;
 constexpr int kTmaGemmSmemBytes = 1024 /*align slack*/ + kTmaStgOffset + 8 * kTmaStgWarpBytes;
 static_assert(kTmaGemmSmemBytes <= 227 * 1024, "the grouped GEMM's shared memory exceeds an SM's 227 KB");
 static_assert(kBarrierBytes <= 1024 && kStgWarpBytes <= kTmaStgWarpBytes, "staging layout");
@@ -179,7 +192,7 @@ struct TileStore {
 };
 
 // Epilogue writer of one consumer warp through TMA stores: each 16 x 64
-// chunk is staged in one of the warp's two buffers and stored by one
+// chunk is staged in one of the warp's kTmaStgBufs buffers, in turn, and stored by one
 // cp.async.bulk.tensor issued by lane 0, so the warp goes on to the next
 // chunk (and, after a tile's last chunk, to the next tile's MMAs) while the
 // copy engine writes it: measured, the register-to-global stores of TileStore
@@ -187,9 +200,9 @@ struct TileStore {
 // GEMM and 22 % of the down GEMM (MOK_GEMM_EPILOGUE_PROBE=1, ncu, shape 1).
 // Rows past the output's end are clipped by the tensor map; keep[h] = false
 // writes zeros for the warp's row (lane/4 + 8h). One store object lives for
-// the whole kernel: `slot` alternates across tiles too.
+// the whole kernel: `slot` cycles across tiles too.
 struct TmaTileStore {
-  uint8_t* buf;  // the warp's two kTmaStgBufBytes buffers, 1024-byte aligned
+  uint8_t* buf;  // the warp's kTmaStgBufs buffers of kTmaStgBufBytes, 1024-byte aligned
   int lane;
   int wrow0;     // first row of this warp in the current tile
   bool keep[2];
@@ -213,10 +226,14 @@ struct TmaTileStore {
       else
         ptx::tma_store_2d(map, buf + slot * kTmaStgBufBytes, col0, wrow0);
       ptx::bulk_commit_group();
-      ptx::bulk_wait_group_read<1>();  // the other buffer, written next, has been read out
+      ptx::bulk_wait_group_read<kTmaStgBufs - 1>();  // the buffer written next has been read out
     }
     __syncwarp();
-    slot ^= 1;
+    if constexpr (kTmaStgBufs == 2) {
+      slot ^= 1;  // the shipped build's code, unchanged
+    } else {
+      slot = slot + 1 == kTmaStgBufs ? 0u : slot + 1;
+    }
   }
   // Before the CTA exits: every store of this warp complete.
   __device__ __forceinline__ void drain() const {
