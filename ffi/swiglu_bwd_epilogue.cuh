@@ -7,7 +7,7 @@
 //   <gd, a> summed per row and 256-column tile (the router-weight gradient).
 // Two writers of dg / du / w_a: register-to-global stores through the warp's
 // staging buffer (in the kernel), and here, under -DMOK_GEMM_TMA_STORE=1, TMA
-// stores from a ring of four 1 KB regions per consumer warp.
+// stores from a ring of 1 KB regions per consumer warp (kRegions: 4 shipped).
 #pragma once
 
 #include <cstdint>
@@ -52,12 +52,15 @@ constexpr int kRegionBytes = 1024;
 #endif
 constexpr int kAhead = MOK_SWIGLU_BWD_AHEAD;  // chunks of g, u loaded ahead (1..4)
 static_assert(kAhead >= 1 && kAhead <= 4, "MOK_SWIGLU_BWD_AHEAD: 1..4");
-constexpr int kRegions = 4;
+// As many regions as the warp's staging holds, of 4 or 8 (a tile's 24 stores
+// must cycle the ring a whole number of times): 4 in the shipped build (two
+// 2 KB TMA-store buffers per warp), 8 with MOK_GEMM_STG_BUFS >= 4.
+constexpr int kRegions = tile::kTmaStgWarpBytes >= 8 * kRegionBytes ? 8 : 4;
 static_assert(kRegions * kRegionBytes <= tile::kTmaStgWarpBytes, "the SwiGLU ring must fit the warp's staging");
 
 // The epilogue of one consumer warp (16 rows from wrow0, 256 columns from
 // n_base) in 8 chunks of 32 columns. Chunk ch issues stores 3ch, 3ch + 1,
-// 3ch + 2 (dg, du, w_a) from regions (3ch + j) % 4: 24 stores per tile, so
+// 3ch + 2 (dg, du, w_a) from regions (3ch + j) % kRegions: 24 stores per tile, so
 // the region of every store is a compile-time constant and each tile starts
 // the ring over. g and u arrive in dg's and du's regions (coalesced 16-byte
 // loads, issued one chunk ahead), each thread reads its fragment's g, u and
@@ -102,9 +105,9 @@ __device__ __forceinline__ void epilogue_tma(const float (&acc)[128], uint8_t* r
     uint8_t* rg = ring + ((3 * ch) % kRegions) * kRegionBytes;
     uint8_t* ru = ring + ((3 * ch + 1) % kRegions) * kRegionBytes;
     uint8_t* rw = ring + ((3 * ch + 2) % kRegions) * kRegionBytes;
-    // rg and ru were last stored 4 and 3 stores ago: at most the 2 newest may
-    // still be reading.
-    if (lane == 0) ptx::bulk_wait_group_read<2>();
+    // rg and ru were last stored kRegions and kRegions - 1 stores ago: at most
+    // the kRegions - 2 newest may still be reading.
+    if (lane == 0) ptx::bulk_wait_group_read<kRegions - 2>();
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -137,7 +140,7 @@ __device__ __forceinline__ void epilogue_tma(const float (&acc)[128], uint8_t* r
       ptx::bulk_commit_group();
       ptx::tma_store_2d(map_du, ru, col0, wrow0);
       ptx::bulk_commit_group();
-      ptx::bulk_wait_group_read<3>();  // rw's last store (3 stores before rg's) has been read out
+      ptx::bulk_wait_group_read<kRegions - 1>();  // rw's last store (kRegions - 1 before rg's) has been read out
     }
     __syncwarp();
 #pragma unroll

@@ -2,7 +2,8 @@
 # One device call for the load-ring depth / TMA-store staging trade of the
 # staged GEMMs (same shared memory: 4 stages x 2 store buffers per consumer
 # warp, the shipped build, against 3 x 5 and, to tell the two effects apart,
-# 3 x 2): builds of both harnesses per variant, local-memory check, forward and
+# 3 x 2; with 5 buffers the backward's SwiGLU TMA ring also grows from 4 to 8
+# regions): builds of both harnesses per variant, local-memory check, forward and
 # backward correctness of the variants (the backward bitwise against the
 # megakernel of the same build), alternated timings (forward at the four
 # benchmark shapes, backward at shape 1), and optionally the ncu warp-stall
