@@ -38,6 +38,16 @@
 // the load ring and the number of 2 KB TMA-store staging buffers per consumer
 // warp. The shipped 4 stages x 2 buffers and 3 stages x 5 buffers take the
 // same shared memory (4 x 48 KB + 8 x 4 KB = 3 x 48 KB + 8 x 10 KB).
+// Measurement only (tests/cuda/gpu_session_stages.sh, step waitprobe): with
+// MOK_GEMM_WAIT_PROBE=1 one thread per consumer warpgroup of the staged
+// forward GEMMs times its waits for stage data (clock64 around the full
+// barrier wait), split by the k block's place in its tile: the first, the
+// next three (loaded while the previous tile's epilogue ran) and the rest
+// (steady state); gemm_wait_probe_read() returns the sums.
+#ifndef MOK_GEMM_WAIT_PROBE
+#define MOK_GEMM_WAIT_PROBE 0
+#endif
+
 #ifndef MOK_GEMM_STAGES
 #define MOK_GEMM_STAGES 4
 #endif
@@ -46,6 +56,12 @@
 #endif
 
 namespace mok::cuda::tile {
+
+// The probe's sums for one consumer warpgroup: wait cycles and waits per
+// bucket (k block 0, 1-3, 4+), then the consumer loop's cycles and tiles.
+struct WaitProbe {
+  unsigned long long v[8];
+};
 
 constexpr int kBM = 128;             // CTA rows (2 consumer WGs x 64)
 constexpr int kBN = 256;             // wgmma N per consumer WG
@@ -124,14 +140,34 @@ __device__ __forceinline__ TileCoord raster(int u, int m_tiles, int n_tiles, int
 // steps into `acc` (overwriting it at kb = 0), keeps one wgmma group in flight
 // and hands each stage back with release(stage) once its MMAs retired.
 // `it` is the running stage counter shared with the producer.
+// probe, probe_on (MOK_GEMM_WAIT_PROBE builds only, else unused): the
+// thread's sums, and whether this thread keeps them.
 template <typename Release>
 __device__ __forceinline__ void mma_k_loop(float (&acc)[128], uint8_t* smem, uint64_t* full_bar, uint32_t& it,
-                                           int k_blocks, int cw, Release&& release) {
+                                           int k_blocks, int cw, Release&& release, WaitProbe* probe = nullptr,
+                                           bool probe_on = false) {
+  (void)probe;
+  (void)probe_on;
   uint32_t prev_s = 0;
   for (int kb = 0; kb < k_blocks; ++kb, ++it) {
     const uint32_t s = it % kStages;
     const uint32_t par = (it / kStages) & 1;
+#if MOK_GEMM_WAIT_PROBE
+    const long long t0 = clock64();
     ptx::mbar_wait(&full_bar[s], par);
+    if (probe_on) {  // constant indices: the sums stay in registers
+      const unsigned long long dt = static_cast<unsigned long long>(clock64() - t0);
+      if (kb == 0) {
+        probe->v[0] += dt, probe->v[1] += 1;
+      } else if (kb < 4) {
+        probe->v[2] += dt, probe->v[3] += 1;
+      } else {
+        probe->v[4] += dt, probe->v[5] += 1;
+      }
+    }
+#else
+    ptx::mbar_wait(&full_bar[s], par);
+#endif
     const uint32_t a_base = ptx::smem_u32(smem + s * kStageBytes) + cw * (64 * 128);
     const uint32_t b_base = ptx::smem_u32(smem + s * kStageBytes + kABytes);
     ptx::wgmma_fence();

@@ -101,6 +101,11 @@ struct KParams {
 #endif
 };
 
+#if MOK_GEMM_WAIT_PROBE
+// tile::WaitProbe sums of every probed consumer warpgroup: [0] gate/up, [1] plain.
+__device__ unsigned long long g_wait_probe[2][8];
+#endif
+
 // kCluster = 1: one CTA per 128-row tile.
 // kCluster = 2: clusters of 2 CTAs on adjacent 128-row tiles (2i, 2i+1) and the
 // same N tile. When both tiles use the same weight group (the common case: rows
@@ -217,6 +222,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    tile::WaitProbe wp{};  // MOK_GEMM_WAIT_PROBE builds only (else unused)
+    const bool probe_on = MOK_GEMM_WAIT_PROBE && warp == 0 && lane == 0;
+#if MOK_GEMM_WAIT_PROBE
+    const long long t_begin = clock64();
+#endif
     uint32_t it = 0;
     for (int u = cid; u < num_units; u += ncl) {
       const tile::TileCoord c = tile::raster(u, m_units, p.n_tiles, p.group_m);
@@ -248,7 +258,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         continue;
       }
-      tile::mma_k_loop(acc, smem, full_bar, it, p.k_blocks, cw, release);
+      tile::mma_k_loop(acc, smem, full_bar, it, p.k_blocks, cw, release, &wp, probe_on);
+#if MOK_GEMM_WAIT_PROBE
+      wp.v[7] += 1;
+#endif
 
       // ---------------------------------------------------------- epilogue
       const bool unused = g_self < 0;  // computed only to keep the pair in lock-step
@@ -280,6 +293,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 #if MOK_GEMM_TMA_STORE
     if (tma) tts.drain();
+#endif
+#if MOK_GEMM_WAIT_PROBE
+    if (probe_on) {
+      wp.v[6] = static_cast<unsigned long long>(clock64() - t_begin);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) atomicAdd(&g_wait_probe[kFused ? 0 : 1][i], wp.v[i]);
+    }
 #endif
   }
   // No CTA of a cluster may exit while its partner can still arrive on its
@@ -374,6 +394,15 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
 }  // namespace
 
 int grouped_gemm_smem_bytes() { return kKernelSmemBytes; }
+
+bool gemm_wait_probe_read(unsigned long long out[16]) {
+#if MOK_GEMM_WAIT_PROBE
+  return cudaMemcpyFromSymbol(out, g_wait_probe, sizeof(g_wait_probe)) == cudaSuccess;
+#else
+  (void)out;
+  return false;
+#endif
+}
 
 int grouped_gemm_resident_clusters(GemmEpilogue epi, int cluster, int num_sms) {
   const bool fused = epi == GemmEpilogue::kGateUpSwiGLU;

@@ -89,6 +89,12 @@ int gemm_tma_store();
 // Dynamic shared memory one GEMM CTA uses (for reports).
 int grouped_gemm_smem_bytes();
 
+// -DMOK_GEMM_WAIT_PROBE=1 builds (measurement): the probe's sums since the
+// process started, out[8 j + i] for j = 0 gate/up, 1 plain, i = wait cycles
+// and waits of k block 0, of 1-3, of 4+, consumer cycles, tiles (one thread
+// per consumer warpgroup). false in other builds.
+bool gemm_wait_probe_read(unsigned long long out[16]);
+
 // Clusters of `cluster` (1 or 2) CTAs of the GEMM kernel that can be resident at
 // once (cudaOccupancyMaxActiveClusters, cached): the persistent grid. 0 when the
 // query failed (the launch then assumes num_sms / cluster).

@@ -6,7 +6,8 @@ without nvcc).
 `pip install` builds the default kernels only; the register-store-only build
 (-DMOK_GEMM_TMA_STORE=0), the epilogue probe (-DMOK_GEMM_EPILOGUE_PROBE=1) and
 the 3-stage ring with 5 TMA-store buffers per warp (-DMOK_GEMM_STAGES=3
--DMOK_GEMM_STG_BUFS=5) are built by the GPU scripts (tests/cuda/ab_tma_store.sh,
+-DMOK_GEMM_STG_BUFS=5) and the stage-wait probe (-DMOK_GEMM_WAIT_PROBE=1) are
+built by the GPU scripts (tests/cuda/ab_tma_store.sh,
 tests/cuda/gpu_session_stages.sh). Without this test a
 change to the shared tile code could leave them broken, or spilling at the
 168-register cap of the 384-thread CTA, until the next device session.
@@ -44,7 +45,7 @@ def compile_kernels(source, flags, tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["-DMOK_GEMM_TMA_STORE=0", "-DMOK_GEMM_EPILOGUE_PROBE=1",
-                                  "-DMOK_GEMM_STAGES=3 -DMOK_GEMM_STG_BUFS=5"])
+                                  "-DMOK_GEMM_STAGES=3 -DMOK_GEMM_STG_BUFS=5", "-DMOK_GEMM_WAIT_PROBE=1"])
 @pytest.mark.parametrize("source,kernel", [("gemm_wgmma.cu", "grouped_gemm_kernel"),
                                            ("gemm_wgmma_bwd.cu", "bwd_gemm_kernel")])
 def test_variant_compiles_without_spills(flag, source, kernel, tmp_path):

@@ -525,6 +525,22 @@ static int run_timing(Case c, int iters, cudaStream_t st, bool with_shared) {
               4.0 * c.T * c.K * c.H * c.F / (gu * 1e-3) / 1e12, dn, 2.0 * c.T * c.K * c.H * c.F / (dn * 1e-3) / 1e12,
               med(stage[4]));
 
+  // -DMOK_GEMM_WAIT_PROBE=1 builds: the consumers' waits for stage data, per
+  // place of the k block in its tile, as shares of the consumer loop's cycles
+  // (sums over every forward of this process: warm-up and timed).
+  unsigned long long wp[16];
+  if (mok::cuda::gemm_wait_probe_read(wp)) {
+    for (int j = 0; j < 2; ++j) {
+      const unsigned long long* v = wp + 8 * j;
+      const double tot = v[6] > 0 ? double(v[6]) : 1.0;
+      std::printf("  wait probe %-7s: waits for stage data %.1f %% of consumer cycles (k block 0: %.1f %%, "
+                  "1-3: %.1f %%, 4+: %.1f %%); mean wait k0 %.0f, k1-3 %.0f, k4+ %.0f cycles; %llu tiles\n",
+                  j == 0 ? "gate/up" : "down", 100.0 * (v[0] + v[2] + v[4]) / tot, 100.0 * v[0] / tot,
+                  100.0 * v[2] / tot, 100.0 * v[4] / tot, v[1] ? double(v[0]) / v[1] : 0.0,
+                  v[3] ? double(v[2]) / v[3] : 0.0, v[5] ? double(v[4]) / v[5] : 0.0, v[7]);
+    }
+  }
+
   // Spot-check correctness + schedule + determinism at this shape.
   Outputs o1, o2;
   bool ok = run_forward(pr, d, o1, st) && run_forward(pr, d, o2, st);

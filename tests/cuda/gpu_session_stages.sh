@@ -9,7 +9,9 @@
 # benchmark shapes, backward at shape 1), and optionally the ncu warp-stall
 # table of the shipped build's forward GEMMs at shape 1.
 # Usage (GPU host, repo root): bash tests/cuda/gpu_session_stages.sh [steps...]
-#   steps default: build sass corr timing btiming (more: ncu_src)
+#   steps default: build sass corr timing btiming (more: ncu_src; waitprobe: the shipped
+#   tile built with -DMOK_GEMM_WAIT_PROBE=1, the consumers' waits for stage data per place
+#   of the k block in its tile, 2-CTA clusters and single CTAs, at $SHAPES)
 #   VARIANTS: "STAGES:BUFS ..." (default "4:2 3:5 3:2"); SHAPES: forward timing shapes
 set -uo pipefail
 final="${OUT:-/tmp/mok_stages_out}"
@@ -84,11 +86,23 @@ if has ncu_src; then
   python3 tests/cuda/ncu_stall_table.py /tmp/src_fwd_sass.csv 30 > "$out/stall_fwd.txt" 2>&1
   collect
 fi
+if has waitprobe; then  # the shipped tile with the wait probe compiled in (measurement build)
+  b=/tmp/mok_stages_probe
+  step build_probe 240 env OUTDIR=$b BUILD_ONLY=1 EXTRA_NVCC_FLAGS=-DMOK_GEMM_WAIT_PROBE=1 bash tests/cuda/build_and_run.sh
+  i=0
+  for sh in $SHAPES; do
+    i=$((i + 1))
+    step "probe_s$i" 90 $b/forward_standalone --timing --iters 20 --staged --no-check --shape "$sh"
+    step "probe_s${i}_c1" 90 env MOK_CUDA_GEMM_CLUSTER=1 $b/forward_standalone --timing --iters 20 --staged --no-check --shape "$sh"
+  done
+  collect
+fi
 echo "================ summary"
 cat "$out/gpu.txt" "$out/sass.txt" 2>/dev/null
 for f in "$out"/corr_*.log "$out"/bcorr_*.log; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -E "FAIL|DIFFERS|correctness:" "$f" | cut -c1-200 | tail -4; }; done
 for f in "$out"/t_s*.log; do [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E "total   median" "$f" | sed -E 's/\(min.*//' | tr -s ' ') | $(grep -E "gate/up" "$f" | sed -E 's/.*gate\/up/gate\/up/; s/\| combine.*//' | tr -s ' ')"; done
 for f in "$out"/bt_*.log; do [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E "backward median" "$f" | sed -E 's/\(min.*//' | tr -s ' ') | $(grep -E "prep" "$f" | tr -s ' ' | cut -c1-150)"; done
 [ -f "$out/stall_fwd.txt" ] && head -60 "$out/stall_fwd.txt"
+for f in "$out"/probe_s*.log; do [ -f "$f" ] && { echo "-- $(basename "$f" .log): $(grep -E "total   median" "$f" | sed -E 's/\(min.*//' | tr -s ' ')"; grep "wait probe" "$f"; }; done
 printf '%s\n' "${summary[@]}"
 collect
