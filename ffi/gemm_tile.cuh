@@ -34,10 +34,6 @@
 #define MOK_GEMM_TMA_STORE 1
 #endif
 
-// Measurement builds only (tests/cuda/gpu_session_stages.sh): the depth of
-// the load ring and the number of 2 KB TMA-store staging buffers per consumer
-// warp. The shipped 4 stages x 2 buffers and 3 stages x 5 buffers take the
-// same shared memory (4 x 48 KB + 8 x 4 KB = 3 x 48 KB + 8 x 10 KB).
 // Measurement only (tests/cuda/gpu_session_stages.sh, step waitprobe): with
 // MOK_GEMM_WAIT_PROBE=1 one thread per consumer warpgroup of the staged
 // forward GEMMs times its waits for stage data (clock64 around the full
@@ -48,6 +44,10 @@
 #define MOK_GEMM_WAIT_PROBE 0
 #endif
 
+// Measurement builds only (tests/cuda/gpu_session_stages.sh): the depth of
+// the load ring and the number of 2 KB TMA-store staging buffers per consumer
+// warp. The shipped 4 stages x 2 buffers and 3 stages x 5 buffers take the
+// same shared memory (4 x 48 KB + 8 x 4 KB = 3 x 48 KB + 8 x 10 KB).
 #ifndef MOK_GEMM_STAGES
 #define MOK_GEMM_STAGES 4
 #endif
@@ -141,7 +141,9 @@ __device__ __forceinline__ TileCoord raster(int u, int m_tiles, int n_tiles, int
 // and hands each stage back with release(stage) once its MMAs retired.
 // `it` is the running stage counter shared with the producer.
 // probe, probe_on (MOK_GEMM_WAIT_PROBE builds only, else unused): the
-// thread's sums, and whether this thread keeps them.
+// thread's sums, and whether this thread keeps them (a flag beside an always
+// valid pointer: a pointer that is null on the other threads put the sums on
+// the stack).
 template <typename Release>
 __device__ __forceinline__ void mma_k_loop(float (&acc)[128], uint8_t* smem, uint64_t* full_bar, uint32_t& it,
                                            int k_blocks, int cw, Release&& release, WaitProbe* probe = nullptr,

@@ -44,10 +44,16 @@ def compile_kernels(source, flags, tmp_path):
     return spills
 
 
-@pytest.mark.parametrize("flag", ["-DMOK_GEMM_TMA_STORE=0", "-DMOK_GEMM_EPILOGUE_PROBE=1",
-                                  "-DMOK_GEMM_STAGES=3 -DMOK_GEMM_STG_BUFS=5", "-DMOK_GEMM_WAIT_PROBE=1"])
-@pytest.mark.parametrize("source,kernel", [("gemm_wgmma.cu", "grouped_gemm_kernel"),
-                                           ("gemm_wgmma_bwd.cu", "bwd_gemm_kernel")])
+FORWARD = ("gemm_wgmma.cu", "grouped_gemm_kernel")
+BACKWARD = ("gemm_wgmma_bwd.cu", "bwd_gemm_kernel")
+# Every variant flag with the sources it changes (the wait probe is in the
+# forward GEMM only).
+VARIANTS = [(flag, *src) for flag in ["-DMOK_GEMM_TMA_STORE=0", "-DMOK_GEMM_EPILOGUE_PROBE=1",
+                                      "-DMOK_GEMM_STAGES=3 -DMOK_GEMM_STG_BUFS=5"]
+            for src in (FORWARD, BACKWARD)] + [("-DMOK_GEMM_WAIT_PROBE=1", *FORWARD)]
+
+
+@pytest.mark.parametrize("flag,source,kernel", VARIANTS)
 def test_variant_compiles_without_spills(flag, source, kernel, tmp_path):
     spills = compile_kernels(source, flag.split(), tmp_path)
     kernels = {k: v for k, v in spills.items() if kernel in k}
