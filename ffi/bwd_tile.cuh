@@ -174,23 +174,13 @@ __device__ __forceinline__ void produce_unit(const MapsT& maps, const BParams& p
   }
 }
 
-// A consumer warpgroup's half (cw) of unit x: the wgmma k-loop into acc, each
-// stage released to the producer as soon as its wgmma retired, then the
-// variant's epilogue through this warp's staging buffer stg. kTma (only in
-// -DMOK_GEMM_TMA_STORE=1 builds) stores through TMA (tts). A template
-// argument, not a runtime branch, so each kernel holds one epilogue.
-template <int kMode, bool kTma, class MapsT>
-__device__ __forceinline__ void consume_unit(const MapsT& maps, const BParams& p, const Unit& x, float (&acc)[128],
-                                             uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar, uint32_t& it,
-                                             uint8_t* stg, int cw, int warp, int lane, TmaStore& tts) {
-  (void)maps;
-  (void)tts;
-  // Which of this thread's two rows are live, and their routing weights: read
-  // before the main loop so the dependent row_pair -> pair_weight loads overlap it.
-  const int wrow0 = x.mt * kBM + cw * 64 + warp * 16;
+// Which of this thread's two rows of a unit are live (keep) and their routing
+// weights (wrow); the warp's rows start at wrow0. Read before the main loop so
+// the dependent row_pair -> pair_weight loads overlap it.
+template <int kMode>
+__device__ __forceinline__ void unit_rows(const BParams& p, const Unit& x, int wrow0, int lane, bool (&keep)[2],
+                                          float (&wrow)[2]) {
   const int row0 = wrow0 + (lane >> 2);
-  bool keep[2];
-  float wrow[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row0 + h * 8;
@@ -206,6 +196,26 @@ __device__ __forceinline__ void consume_unit(const MapsT& maps, const BParams& p
       }
     }
   }
+}
+
+template <int kMode, bool kTma, class MapsT>
+__device__ __forceinline__ void unit_epilogue(const MapsT& maps, const BParams& p, const Unit& x,
+                                              float (&acc)[128], int wrow0, uint8_t* stg, int lane,
+                                              const bool (&keep)[2], const float (&wrow)[2], TmaStore& tts);
+
+// A consumer warpgroup's half (cw) of unit x: the wgmma k-loop into acc, each
+// stage released to the producer as soon as its wgmma retired, then the
+// variant's epilogue through this warp's staging buffer stg. kTma (only in
+// -DMOK_GEMM_TMA_STORE=1 builds) stores through TMA (tts). A template
+// argument, not a runtime branch, so each kernel holds one epilogue.
+template <int kMode, bool kTma, class MapsT>
+__device__ __forceinline__ void consume_unit(const MapsT& maps, const BParams& p, const Unit& x, float (&acc)[128],
+                                             uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar, uint32_t& it,
+                                             uint8_t* stg, int cw, int warp, int lane, TmaStore& tts) {
+  const int wrow0 = x.mt * kBM + cw * 64 + warp * 16;
+  bool keep[2];
+  float wrow[2];
+  unit_rows<kMode>(p, x, wrow0, lane, keep, wrow);
   if (x.kb_count == 0) {
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
@@ -241,8 +251,18 @@ __device__ __forceinline__ void consume_unit(const MapsT& maps, const BParams& p
   if (x.kb_count > 0 && lane == 0) ptx::mbar_arrive(&empty_bar[prev_s]);
 #pragma unroll
   for (int i = 0; i < 128; ++i) ptx::fence_operand(acc[i]);
+  unit_epilogue<kMode, kTma>(maps, p, x, acc, wrow0, stg, lane, keep, wrow, tts);
+}
 
-  // ---------------------------------------------------------- epilogue
+// The epilogue of unit x for one consumer warp (rows from wrow0, all kBN
+// columns of the unit) from its retired accumulators acc.
+template <int kMode, bool kTma, class MapsT>
+__device__ __forceinline__ void unit_epilogue(const MapsT& maps, const BParams& p, const Unit& x,
+                                              float (&acc)[128], int wrow0, uint8_t* stg, int lane,
+                                              const bool (&keep)[2], const float (&wrow)[2], TmaStore& tts) {
+  (void)maps;
+  (void)tts;
+  const int row0 = wrow0 + (lane >> 2);
   const int colq = (lane & 3) * 2;
   const int n_base = x.nt * kBN;
   __nv_bfloat16* out0 = p.out0;
@@ -400,5 +420,11 @@ inline constexpr char kEmpty[] = "empty";
 const char* prepare_swiglu(const DgradArgs& a, bool allow_tma, Maps& maps, BParams& p, bool& tma);
 const char* prepare_sum2(const DgradArgs& a, bool allow_tma, Maps& maps, BParams& p, bool& tma);
 const char* prepare_wgrad(const WgradArgs& a, bool allow_tma, Maps& maps, BParams& p, bool& tma);
+#if MOK_GEMM_TMA_STORE
+// (gemm_wgmma_bwd_pingpong.cu) The kSwiGLU dgrad with the TMA-store epilogue
+// on ping-pong consumers, from prepare_swiglu's maps (their out maps) and p.
+const char* launch_swiglu_pingpong(const DgradArgs& a, const Maps& maps, const BParams& p, int num_sms,
+                                   cudaStream_t stream);
+#endif
 
 }  // namespace mok::cuda::bwd

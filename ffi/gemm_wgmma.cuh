@@ -86,6 +86,29 @@ int gemm_group_m();
 // gemm_wgmma_bwd.cu).
 int gemm_tma_store();
 
+// launch_grouped_gemm runs on ping-pong consumers (gemm_wgmma_pingpong.cu:
+// 2-CTA clusters, each consumer warpgroup owns whole 64 x 256 halves of the
+// 128 x 256 units in turn; bitwise the same outputs) when its epilogue stores
+// through TMA without per-row destinations, unless MOK_CUDA_GEMM_PINGPONG=0:
+// gemm_pingpong(). PingpongGemm carries launch_grouped_gemm's encoded maps
+// (A with a 64-row box) and tile counts.
+bool gemm_pingpong();
+struct PingpongGemm {
+  const CUtensorMap* a64;
+  const CUtensorMap* b0;
+  const CUtensorMap* b1;
+  const CUtensorMap* out[3];
+  int m_rows, n, k_blocks, n_tiles, m_tiles, group_m;
+  const int32_t* tile_group;
+  const uint8_t* row_mask;
+  void* out0;
+  void* out1;
+  void* out2;
+  int zero_unused;
+  bool fused, keep_pre;
+};
+const char* launch_grouped_gemm_pingpong(const PingpongGemm& g, int num_sms, cudaStream_t stream);
+
 // Dynamic shared memory one GEMM CTA uses (for reports).
 int grouped_gemm_smem_bytes();
 
@@ -147,6 +170,10 @@ struct DgradArgs {
   float* part = nullptr;  // may be nullptr (not written)
 };
 const char* launch_dgrad_swiglu_bwd(const DgradArgs& args, int num_sms, cudaStream_t stream);
+// launch_dgrad_swiglu_bwd runs on ping-pong consumers (gemm_wgmma_bwd_pingpong.cu:
+// 2-CTA clusters, bitwise the same results) when its epilogue stores through TMA
+// (the default) unless MOK_CUDA_BWD_PINGPONG=0: bwd_swiglu_pingpong().
+bool bwd_swiglu_pingpong();
 const char* launch_dgrad_sum2(const DgradArgs& args, int num_sms, cudaStream_t stream);
 
 // Wgrad with MN-major A (wgmma trans-a = 1) and ragged K: for up to 3 jobs j and

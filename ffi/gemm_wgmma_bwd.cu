@@ -261,6 +261,9 @@ const char* launch_dgrad_swiglu_bwd(const DgradArgs& a, int num_sms, cudaStream_
   BParams p;
   bool tma;
   if (const char* e = prepare_swiglu(a, true, maps, p, tma)) return e == kEmpty ? nullptr : e;
+#if MOK_GEMM_TMA_STORE
+  if (tma && bwd_swiglu_pingpong()) return launch_swiglu_pingpong(a, maps, p, num_sms, stream);
+#endif
   return launch<kSwiGLU>(maps, p, tma, num_sms, stream);
 }
 

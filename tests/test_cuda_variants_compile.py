@@ -7,7 +7,8 @@ without nvcc).
 (-DMOK_GEMM_TMA_STORE=0), the epilogue probe (-DMOK_GEMM_EPILOGUE_PROBE=1) and
 the 3-stage ring with 5 TMA-store buffers per warp (-DMOK_GEMM_STAGES=3
 -DMOK_GEMM_STG_BUFS=5) and the stage-wait probe (-DMOK_GEMM_WAIT_PROBE=1) are
-built by the GPU scripts (tests/cuda/ab_tma_store.sh,
+built by the GPU scripts; the ping-pong kernels (forward GEMMs, SwiGLU
+backward) are checked in their default builds too (pip's build reports spills only in its log) (tests/cuda/ab_tma_store.sh,
 tests/cuda/gpu_session_stages.sh). Without this test a
 change to the shared tile code could leave them broken, or spilling at the
 168-register cap of the 384-thread CTA, until the next device session.
@@ -46,21 +47,29 @@ def compile_kernels(source, flags, tmp_path):
 
 FORWARD = ("gemm_wgmma.cu", "grouped_gemm_kernel")
 BACKWARD = ("gemm_wgmma_bwd.cu", "bwd_gemm_kernel")
+PINGPONG = ("gemm_wgmma_bwd_pingpong.cu", "bwd_swiglu_pingpong_kernel")
+FWD_PINGPONG = ("gemm_wgmma_pingpong.cu", "grouped_gemm_pingpong_kernel")
 # Every variant flag with the sources it changes (the wait probe is in the
-# forward GEMM only).
+# forward GEMM only), and the ping-pong kernels' default builds (TMA-store
+# epilogue only: none without it).
 VARIANTS = [(flag, *src) for flag in ["-DMOK_GEMM_TMA_STORE=0", "-DMOK_GEMM_EPILOGUE_PROBE=1",
                                       "-DMOK_GEMM_STAGES=3 -DMOK_GEMM_STG_BUFS=5"]
-            for src in (FORWARD, BACKWARD)] + [("-DMOK_GEMM_WAIT_PROBE=1", *FORWARD)]
+            for src in (FORWARD, BACKWARD, PINGPONG, FWD_PINGPONG)] + \
+    [("-DMOK_GEMM_WAIT_PROBE=1", *FORWARD), ("", *PINGPONG), ("", *FWD_PINGPONG)]
+EXPECTED_KERNELS = {  # forward: 3 epilogues (plain, gate/up, activation only) x 2 cluster sizes;
+    FORWARD[0]: lambda flag: 6,  # backward: 3 modes, x 2 with the TMA store
+    BACKWARD[0]: lambda flag: 3 if flag == "-DMOK_GEMM_TMA_STORE=0" else 6,
+    PINGPONG[0]: lambda flag: 0 if flag == "-DMOK_GEMM_TMA_STORE=0" else 1,
+    # plain, gate/up keeping the pre-activation, gate/up activation only
+    FWD_PINGPONG[0]: lambda flag: 0 if flag == "-DMOK_GEMM_TMA_STORE=0" else 3,
+}
 
 
 @pytest.mark.parametrize("flag,source,kernel", VARIANTS)
 def test_variant_compiles_without_spills(flag, source, kernel, tmp_path):
     spills = compile_kernels(source, flag.split(), tmp_path)
     kernels = {k: v for k, v in spills.items() if kernel in k}
-    # forward: 3 epilogues (plain, gate/up, activation only) x 2 cluster sizes;
-    # backward: 3 modes, x 2 with the TMA store.
-    expected = 6 if source == "gemm_wgmma.cu" else (3 if flag == "-DMOK_GEMM_TMA_STORE=0" else 6)
-    assert len(kernels) == expected, f"ptxas reported {sorted(spills)}"
+    assert len(kernels) == EXPECTED_KERNELS[source](flag), f"ptxas reported {sorted(spills)}"
     # No spills, and no accumulator array demoted to local memory (a loop over
     # acc[] left rolled shows as a stack frame, not as spills). The validated
     # default SwiGLU-backward kernel keeps 16 bytes on the stack.

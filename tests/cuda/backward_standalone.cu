@@ -2,6 +2,7 @@
 //
 //   backward_standalone [--correctness] [--small] [--case NAME] [--timing] [--timing-shared] [--iters N]
 //                       [--no-check]   (timing: skip the sampled check afterwards, for A/B loops)
+//                       [--shape T,H,F,E,K] (timing shape; default benchmark shape 1)
 //                       [--megakernel] (correctness: every case also through the backward
 //                                       megakernel, whose gradients must equal the staged ones
 //                                       bitwise; timing: the megakernel is timed)
@@ -625,9 +626,12 @@ static bool check_case(const Case& c, uint64_t seed, cudaStream_t st) {
 
 // --no-check: the timing runs skip their sampled check (the correctness runs cover it).
 static bool g_no_check = false;
+// --shape: the timing shape (T, H, F, E, K; default benchmark shape 1).
+static long long g_shape[5] = {32768, 2048, 768, 128, 8};
 
 static int run_timing(int iters, cudaStream_t st, bool with_shared) {
-  Case c{"bench", 32768, 2048, 768, 128, 8, with_shared ? 2048 : 0, Routing::kUniform, 0.0, true};
+  Case c{"bench", g_shape[0], g_shape[1], g_shape[2], g_shape[3], g_shape[4], with_shared ? 2048 : 0,
+         Routing::kUniform, 0.0, true};
   const Problem pr = make_problem(c);
   std::printf("%s: ", g_megakernel ? "megakernel" : "staged");
   std::printf("timing shape T=%lld H=%lld F=%lld E=%lld K=%lld Fs=%lld  R=%lld  bwd workspace=%.1f MiB, rows in %s\n",
@@ -711,6 +715,13 @@ int main(int argc, char** argv) {
     else if (a == "--case" && i + 1 < argc) { only = argv[++i]; corr = true; small = true; }
     else if (a == "--no-check") g_no_check = true;
     else if (a == "--megakernel") g_megakernel = true;
+    else if (a == "--shape" && i + 1 < argc) {
+      long long* v = g_shape;
+      if (std::sscanf(argv[++i], "%lld,%lld,%lld,%lld,%lld", &v[0], &v[1], &v[2], &v[3], &v[4]) != 5) {
+        std::printf("--shape wants T,H,F,E,K\n");
+        return 2;
+      }
+    }
     else {
       std::printf("unknown argument %s\n", a.c_str());
       return 2;

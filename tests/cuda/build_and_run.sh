@@ -10,7 +10,7 @@ out="${OUTDIR:-$root/build/cuda_test}"
 mkdir -p "$out"
 NVCC="${NVCC:-nvcc}"
 flags=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -lineinfo ${EXTRA_NVCC_FLAGS:-})
-srcs=(schedule dispatch gemm_wgmma combine megakernel_fwd forward_cuda)
+srcs=(schedule dispatch gemm_wgmma gemm_wgmma_pingpong combine megakernel_fwd forward_cuda)
 pids=()
 for s in "${srcs[@]}"; do
   "$NVCC" "${flags[@]}" -c "$root/ffi/$s.cu" -o "$out/$s.o" >"$out/$s.ptxas.txt" 2>&1 &

@@ -11,7 +11,7 @@ out="${OUTDIR:-$root/build/cuda_test_bwd}"
 mkdir -p "$out/lib"
 NVCC="${NVCC:-nvcc}"
 flags=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -lineinfo ${EXTRA_NVCC_FLAGS:-})
-srcs=(schedule dispatch gemm_wgmma gemm_wgmma_bwd combine megakernel_fwd megakernel_bwd forward_cuda backward_cuda)
+srcs=(schedule dispatch gemm_wgmma gemm_wgmma_pingpong gemm_wgmma_bwd gemm_wgmma_bwd_pingpong combine megakernel_fwd megakernel_bwd forward_cuda backward_cuda)
 pids=()
 for s in "${srcs[@]}"; do
   "$NVCC" "${flags[@]}" -c "$root/ffi/$s.cu" -o "$out/lib/$s.o" >"$out/$s.ptxas.txt" 2>&1 &

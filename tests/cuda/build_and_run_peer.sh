@@ -10,7 +10,7 @@ out="${OUTDIR:-$root/build/cuda_test_peer}"
 mkdir -p "$out/lib"
 NVCC="${NVCC:-nvcc}"
 flags=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -lineinfo)
-srcs=(schedule dispatch gemm_wgmma gemm_wgmma_bwd combine megakernel_fwd megakernel_bwd forward_cuda backward_cuda peer_dispatch peer_forward peer_backward)
+srcs=(schedule dispatch gemm_wgmma gemm_wgmma_pingpong gemm_wgmma_bwd gemm_wgmma_bwd_pingpong combine megakernel_fwd megakernel_bwd forward_cuda backward_cuda peer_dispatch peer_forward peer_backward)
 pids=()
 for s in "${srcs[@]}"; do
   "$NVCC" "${flags[@]}" -c "$root/ffi/$s.cu" -o "$out/lib/$s.o" >"$out/$s.log" 2>&1 &

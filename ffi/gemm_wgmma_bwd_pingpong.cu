@@ -1,0 +1,231 @@
+// The down projection's dgrad with the SwiGLU-backward epilogue (mode kSwiGLU
+// of bwd_tile.cuh) on ping-pong consumers: each consumer warpgroup owns whole
+// units in turn, so one runs its epilogue (the backward's heaviest: it reads
+// g, u and writes dg, du, w*a) while the other runs its main loop. In the
+// cooperative kernel (gemm_wgmma_bwd.cu) both warpgroups share a tile and the
+// tensor cores idle through every epilogue (ncu: tensor pipe 42 % active).
+//
+// Work split. A unit is the cooperative kernel's 128 x 256 tile; a 2-CTA
+// cluster computes it, CTA r rows [64 r, 64 r + 64) on one of its consumer
+// warpgroups, the cluster's units alternating between warpgroup 0 and 1. So
+// each warpgroup computes exactly what warpgroup r of the cooperative kernel
+// computes for the same rows (same stage image, same wgmma sequence, same
+// epilogue code): the results are bitwise those of the cooperative kernel and
+// of the backward megakernel. Both halves of a unit share the weight group
+// (tile_group is per 128 rows), so each CTA loads its 64 rows of A and half of
+// the B stage, multicast to both: L2 reads stay at the cooperative kernel's
+// 24 KB per CTA and 2.1 MFLOP.
+//
+// The ring needs no extra ordering: the producer fills the stages in unit
+// order, so warpgroup 1's first loads land only as warpgroup 0's main loop
+// ends, and the two alternate by themselves. Each stage is consumed by one
+// warpgroup of each CTA, so its empty barrier counts 2 x 4 warps.
+//
+// TMA-store epilogue only (-DMOK_GEMM_TMA_STORE=1 builds, the default, with the
+// SwiGLU TMA store selected): the register-store epilogue would spill here.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "bwd_tile.cuh"
+#include "cuda_problem.h"
+#include "gemm_wgmma.cuh"
+
+namespace mok::cuda {
+
+bool bwd_swiglu_pingpong() {
+  static const bool on = [] {
+    const char* e = std::getenv("MOK_CUDA_BWD_PINGPONG");
+    return e != nullptr && std::atoi(e) != 0;  // off until measured on the device
+  }();
+  return on;
+}
+
+#if MOK_GEMM_TMA_STORE
+namespace {
+
+using namespace bwd;
+constexpr int kSmemBytes = tile::kStagedGemmSmemBytes;
+using tile::kThreads;
+constexpr int kHalfRows = kBM / 2;                        // a CTA's rows of a unit
+constexpr int kBHalfBytes = tile::kBBytes / 2;            // 128 n rows x 64 k
+constexpr uint32_t kStageTx = kHalfRows * kBK * 2 + tile::kBBytes;  // 8 KB A + 32 KB B per CTA
+constexpr int kWarpsPerStage = 2 * (kConsumerWarps / 2);  // one warpgroup of each CTA
+
+struct PPMaps {
+  CUtensorMap a;       // [rows, k], box {64 k, 64 rows}
+  CUtensorMap b_half;  // [groups, n, k], box {64 k, 128 n}
+  CUtensorMap out[3];  // dg, du, w*a (as Maps::out)
+};
+
+__global__ void __launch_bounds__(kThreads, 1) bwd_swiglu_pingpong_kernel(const __grid_constant__ PPMaps maps,
+                                                                          const BParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty_bar = full_bar + kStages;
+  const int wg = threadIdx.x / 128;
+  const uint32_t crank = ptx::cluster_ctarank();
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(&full_bar[s], 1);
+      ptx::mbar_init(&empty_bar[s], kWarpsPerStage);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  ptx::cluster_sync();  // the partner's barriers exist before any multicast or remote arrive
+  const int cid = blockIdx.x / 2;
+  const int ncl = gridDim.x / 2;
+
+  if (wg == 0) {
+    // ------------------------------------------------------------ producer
+    ptx::setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) {
+      ptx::tma_prefetch_desc(&maps.a);
+      ptx::tma_prefetch_desc(&maps.b_half);
+      uint32_t it = 0;
+      for (int u = cid; u < p.units; u += ncl) {
+        const Unit x = decode<kSwiGLU>(p, u);
+        if (x.skip) continue;  // the same decision in both CTAs: they stay in lock-step
+        for (int kb = 0; kb < x.kb_count; ++kb, ++it) {
+          const uint32_t s = it % kStages;
+          const uint32_t par = (it / kStages) & 1;
+          ptx::mbar_wait(&empty_bar[s], par ^ 1);  // both CTAs' warpgroup released it
+          uint8_t* sa = smem + s * kStageBytes;
+          uint8_t* sb = sa + kABytes;
+          ptx::mbar_arrive_expect_tx(&full_bar[s], kStageTx);
+          ptx::tma_load_2d(sa, &maps.a, kb * kBK, x.mt * kBM + static_cast<int>(crank) * kHalfRows, &full_bar[s]);
+          ptx::tma_load_3d_multicast(sb + crank * kBHalfBytes, &maps.b_half, kb * kBK,
+                                     x.nt * kBN + static_cast<int>(crank) * (kBN / 2), x.grp, &full_bar[s], 0x3);
+        }
+      }
+    }
+  } else {
+    // ------------------------------------------------------------ consumers
+    ptx::setmaxnreg_inc<232>();
+    const int cw = wg - 1;
+    const int warp = (threadIdx.x / 32) & 3;
+    const int lane = threadIdx.x & 31;
+    uint8_t* stg = smem + tile::kStagedStgOffset + (cw * 4 + warp) * tile::kStagedStgWarpBytes;
+    TmaStore tts{stg, lane, 0, {false, false}, 0u};
+    const uint32_t peer_empty = ptx::map_to_rank(ptx::smem_u32(empty_bar), crank ^ 1);
+    float acc[128];
+    uint32_t live = 0;  // live units so far, both warpgroups': unit `live` starts at stage live * k_blocks
+    for (int u = cid; u < p.units; u += ncl) {
+      const Unit x = decode<kSwiGLU>(p, u);
+      if (x.skip) continue;
+      const uint32_t n = live++;
+      if (static_cast<int>(n & 1) != cw) continue;
+      uint32_t it = n * static_cast<uint32_t>(x.kb_count);  // mod 2^32: only it % (2 kStages) matters
+      const int wrow0 = x.mt * kBM + static_cast<int>(crank) * kHalfRows + warp * 16;
+      bool keep[2];
+      float wrow[2];
+      unit_rows<kSwiGLU>(p, x, wrow0, lane, keep, wrow);
+      uint32_t prev_s = 0;
+      for (int kb = 0; kb < x.kb_count; ++kb, ++it) {
+        const uint32_t s = it % kStages;
+        const uint32_t par = (it / kStages) & 1;
+        ptx::mbar_wait(&full_bar[s], par);
+        const uint32_t sa = ptx::smem_u32(smem + s * kStageBytes);
+        const uint32_t sb = sa + kABytes;
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          const uint64_t da = ptx::make_smem_desc_sw128(sa + kk * 32, 16, 1024);
+          const uint64_t db = ptx::make_smem_desc_sw128(sb + kk * 32, 16, 1024);
+          ptx::wgmma_m64n256k16_bf16<0, 0>(acc, da, db, (kb | kk) != 0);
+        }
+        ptx::wgmma_commit();
+        if (kb > 0) {
+          ptx::wgmma_wait<1>();
+          if (lane == 0) {
+            ptx::mbar_arrive(&empty_bar[prev_s]);
+            ptx::mbar_arrive_cluster(peer_empty + prev_s * 8);
+          }
+        }
+        prev_s = s;
+      }
+      ptx::wgmma_wait<0>();
+      if (lane == 0) {
+        ptx::mbar_arrive(&empty_bar[prev_s]);
+        ptx::mbar_arrive_cluster(peer_empty + prev_s * 8);
+      }
+#pragma unroll
+      for (int i = 0; i < 128; ++i) ptx::fence_operand(acc[i]);
+      unit_epilogue<kSwiGLU, true>(maps, p, x, acc, wrow0, stg, lane, keep, wrow, tts);
+    }
+    tts.drain();  // every TMA store complete before the CTA exits
+  }
+  // No CTA may exit while its partner can still multicast into its shared
+  // memory or arrive on its barriers.
+  __syncwarp();
+  ptx::cluster_sync();
+}
+
+// Clusters of 2 that fit at once (queried once per kernel; 0 when the query fails).
+int resident_clusters(int num_sms, const cudaLaunchConfig_t& cfg_in) {
+  static std::atomic<int> cached{-1};
+  if (cached.load() < 0) {
+    cudaLaunchConfig_t cfg = cfg_in;
+    cfg.gridDim = dim3(2 * std::max(1, num_sms / 2), 1, 1);
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, bwd_swiglu_pingpong_kernel, &cfg) != cudaSuccess || n <= 0) {
+      (void)cudaGetLastError();
+      n = 0;
+    }
+    cached.store(n);
+  }
+  return cached.load();
+}
+
+const char* launch_as(const PPMaps& maps, const BParams& p, int num_sms, cudaStream_t stream) {
+  auto* kern = bwd_swiglu_pingpong_kernel;
+  // Every launch (the attribute is per device), before the occupancy query.
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+    return "mok cuda bwd gemm (ping-pong): cudaFuncSetAttribute failed";
+  if (p.units <= 0) return nullptr;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int max_clusters = resident_clusters(num_sms, cfg);
+  if (max_clusters <= 0) max_clusters = std::max(1, num_sms / 2);
+  const int clusters = std::min(p.units, max_clusters);
+  cfg.gridDim = dim3(2 * clusters, 1, 1);
+  if (cudaLaunchKernelEx(&cfg, kern, maps, p) != cudaSuccess || cudaGetLastError() != cudaSuccess)
+    return "mok cuda bwd gemm (ping-pong): kernel launch failed";
+  return nullptr;
+}
+
+}  // namespace
+
+namespace bwd {
+
+const char* launch_swiglu_pingpong(const DgradArgs& a, const Maps& maps, const BParams& p, int num_sms,
+                                   cudaStream_t stream) {
+  PPMaps pp;
+  std::memset(&pp, 0, sizeof(pp));
+  if (!make_map_2d(&pp.a, a.a0, a.m_rows, a.k, kBK, kHalfRows) ||
+      !make_map_3d_rows(&pp.b_half, a.b0, a.groups, a.n, a.k, kBK, kBN / 2))
+    return "mok cuda bwd gemm (ping-pong): tensor map encode failed";
+  std::memcpy(pp.out, maps.out, sizeof(pp.out));
+  return launch_as(pp, p, num_sms, stream);
+}
+
+}  // namespace bwd
+#endif  // MOK_GEMM_TMA_STORE
+
+}  // namespace mok::cuda

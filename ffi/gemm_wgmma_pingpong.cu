@@ -1,0 +1,246 @@
+// The forward's grouped GEMMs (gate/up with the fused SwiGLU, and down) on
+// ping-pong consumers, as the backward's SwiGLU kernel (gemm_wgmma_bwd_pingpong.cu,
+// where the scheme is described): a 2-CTA cluster computes each 128 x 256 unit,
+// CTA r its rows [64 r, 64 r + 64) on one consumer warpgroup, units
+// alternating between the two warpgroups, so one warpgroup's epilogue runs
+// under the other's main loop. Both CTAs of a unit share its weight group, so
+// each loads its 64 rows of A and half of the B stage, multicast to both (the
+// L2 reads of the cooperative kernel with clusters). Each warpgroup computes
+// exactly what the cooperative kernel's warpgroup r computes for those rows:
+// bitwise the same outputs. TMA-store epilogues only, no per-row destinations
+// (launch_grouped_gemm falls back to the cooperative kernel otherwise).
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+
+#include "cuda_ptx.cuh"
+#include "gemm_tile.cuh"
+#include "gemm_wgmma.cuh"
+
+namespace mok::cuda {
+
+bool gemm_pingpong() {
+  static const bool on = [] {
+    const char* e = std::getenv("MOK_CUDA_GEMM_PINGPONG");
+    return e != nullptr && std::atoi(e) != 0;  // off until measured on the device
+  }();
+  return on;
+}
+
+#if MOK_GEMM_TMA_STORE
+namespace {
+
+using tile::kABytes;
+using tile::kBChunk;
+using tile::kBK;
+using tile::kBM;
+using tile::kConsumerWarps;
+using tile::kStageBytes;
+using tile::kStages;
+using tile::kThreads;
+constexpr int kSmemBytes = tile::kStagedGemmSmemBytes;
+constexpr int kHalfRows = kBM / 2;
+constexpr uint32_t kStageTx = kHalfRows * kBK * 2 + tile::kBBytes;  // 8 KB A + 32 KB B per CTA
+constexpr int kWarpsPerStage = 2 * (kConsumerWarps / 2);            // one warpgroup of each CTA
+
+struct Params {
+  int m_rows, n, k_blocks, n_tiles, m_tiles, group_m;
+  const int32_t* tile_group;
+  const uint8_t* row_mask;
+  __nv_bfloat16* out0;
+  __nv_bfloat16* out1;
+  __nv_bfloat16* out2;
+  int zero_unused;
+};
+
+template <bool kFused, bool kKeepPre>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_pingpong_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b0,
+                                 const __grid_constant__ CUtensorMap tm_b1, const __grid_constant__ CUtensorMap tm_out0,
+                                 const __grid_constant__ CUtensorMap tm_out1,
+                                 const __grid_constant__ CUtensorMap tm_out2, const Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty_bar = full_bar + kStages;
+  const int wg = threadIdx.x / 128;
+  const uint32_t crank = ptx::cluster_ctarank();
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(&full_bar[s], 1);
+      ptx::mbar_init(&empty_bar[s], kWarpsPerStage);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  ptx::cluster_sync();  // the partner's barriers exist before any multicast or remote arrive
+  const int cid = blockIdx.x / 2;
+  const int ncl = gridDim.x / 2;
+  const int num_units = p.m_tiles * p.n_tiles;
+  auto group_of = [&](int mt) -> int { return p.tile_group ? p.tile_group[mt] : 0; };
+
+  if (wg == 0) {
+    // ------------------------------------------------------------ producer
+    ptx::setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) {
+      ptx::tma_prefetch_desc(&tm_a);
+      ptx::tma_prefetch_desc(&tm_b0);
+      if (kFused) ptx::tma_prefetch_desc(&tm_b1);
+      uint32_t it = 0;
+      for (int u = cid; u < num_units; u += ncl) {
+        const tile::TileCoord c = tile::raster(u, p.m_tiles, p.n_tiles, p.group_m);
+        const int grp = group_of(c.mt);
+        if (grp < 0) continue;  // the same decision in both CTAs: they stay in lock-step
+        for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
+          const uint32_t s = it % kStages;
+          const uint32_t par = (it / kStages) & 1;
+          ptx::mbar_wait(&empty_bar[s], par ^ 1);  // both CTAs' warpgroup released it
+          uint8_t* sa = smem + s * kStageBytes;
+          uint8_t* sb = sa + kABytes;
+          ptx::mbar_arrive_expect_tx(&full_bar[s], kStageTx);
+          ptx::tma_load_2d(sa, &tm_a, kb * kBK, c.mt * kBM + static_cast<int>(crank) * kHalfRows, &full_bar[s]);
+          // B chunks 2 crank and 2 crank + 1 (8 KB each: 64 N x 64 K), to both CTAs.
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const int j = 2 * static_cast<int>(crank) + jj;
+            const CUtensorMap* map = (kFused && j >= 2) ? &tm_b1 : &tm_b0;
+            const int ncol = kFused ? c.nt * 128 + (j & 1) * 64 : c.nt * 256 + j * 64;
+            ptx::tma_load_3d_multicast(sb + j * kBChunk, map, ncol, kb * kBK, grp, &full_bar[s], 0x3);
+          }
+        }
+      }
+    }
+  } else {
+    // ------------------------------------------------------------ consumers
+    ptx::setmaxnreg_inc<232>();
+    const int cw = wg - 1;
+    const int warp = (threadIdx.x / 32) & 3;
+    const int lane = threadIdx.x & 31;
+    uint8_t* stg = smem + tile::kStagedStgOffset + (cw * 4 + warp) * tile::kStagedStgWarpBytes;
+    tile::TmaTileStore tts{stg, lane, 0, {false, false}, 0u};
+    const uint32_t peer_empty = ptx::map_to_rank(ptx::smem_u32(empty_bar), crank ^ 1);
+    auto release = [&](uint32_t s) {
+      if (lane == 0) {
+        ptx::mbar_arrive(&empty_bar[s]);
+        ptx::mbar_arrive_cluster(peer_empty + s * 8);
+      }
+    };
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    uint32_t live = 0;  // live units so far, both warpgroups': unit `live` starts at stage live * k_blocks
+    for (int u = cid; u < num_units; u += ncl) {
+      const tile::TileCoord c = tile::raster(u, p.m_tiles, p.n_tiles, p.group_m);
+      const int wrow0 = c.mt * kBM + static_cast<int>(crank) * kHalfRows + warp * 16;  // first row of this warp
+      const int row0 = wrow0 + (lane >> 2);
+      if (group_of(c.mt) < 0) {  // no loads, no math; zeros from warpgroup 0 when asked
+        if (p.zero_unused && cw == 0) {
+          const int n_base = c.nt * (kFused ? 128 : 256);
+          const int colq = (lane & 3) * 2;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = row0 + h * 8;
+            if (row >= p.m_rows) continue;
+            const size_t rbase = static_cast<size_t>(row) * p.n;
+#pragma unroll
+            for (int g = 0; g < (kFused ? 16 : 32); ++g) {
+              const int col = n_base + g * 8 + colq;
+              if (col >= p.n) continue;
+              if (!kFused || kKeepPre) *reinterpret_cast<uint32_t*>(p.out0 + rbase + col) = 0u;
+              if (kFused) {
+                if (kKeepPre) *reinterpret_cast<uint32_t*>(p.out1 + rbase + col) = 0u;
+                *reinterpret_cast<uint32_t*>(p.out2 + rbase + col) = 0u;
+              }
+            }
+          }
+        }
+        continue;
+      }
+      const uint32_t nlive = live++;
+      if (static_cast<int>(nlive & 1) != cw) continue;
+      uint32_t it = nlive * static_cast<uint32_t>(p.k_blocks);  // mod 2^32: only it % (2 kStages) matters
+      // A sits at the stage's start (this CTA's 64 rows): cw = 0 for the k loop.
+      tile::mma_k_loop(acc, smem, full_bar, it, p.k_blocks, 0, release);
+      tts.wrow0 = wrow0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + h * 8;
+        tts.keep[h] = row < p.m_rows && (p.row_mask == nullptr || p.row_mask[row] != 0);
+      }
+      if (kFused) {
+        tile::store_gate_up<kKeepPre>(acc, tts, c.nt * 128, &tm_out0, &tm_out1, &tm_out2);
+      } else {
+        tile::store_plain(acc, tts, c.nt * 256, &tm_out0);
+      }
+    }
+    tts.drain();  // every TMA store complete before the CTA exits
+  }
+  // No CTA may exit while its partner can still multicast into its shared
+  // memory or arrive on its barriers.
+  __syncwarp();
+  ptx::cluster_sync();
+}
+
+template <bool kFused, bool kKeepPre>
+const char* launch_as(const PingpongGemm& g, const Params& p, int num_sms, cudaStream_t stream) {
+  auto* kern = grouped_gemm_pingpong_kernel<kFused, kKeepPre>;
+  static std::atomic<int> resident{-1};
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  // Every launch, as the cooperative kernel: the attribute is per device.
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+    return "mok cuda gemm (ping-pong): cudaFuncSetAttribute failed";
+  if (resident.load() < 0) {  // once per kernel: the clusters that fit at once
+    cfg.gridDim = dim3(2 * std::max(1, num_sms / 2), 1, 1);
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess || n <= 0) {
+      (void)cudaGetLastError();
+      n = 0;
+    }
+    resident.store(n);
+  }
+  const int max_clusters = resident.load() > 0 ? resident.load() : std::max(1, num_sms / 2);
+  const int64_t units = int64_t(p.m_tiles) * p.n_tiles;
+  if (units <= 0) return nullptr;
+  cfg.gridDim = dim3(2 * static_cast<int>(std::min<int64_t>(units, max_clusters)), 1, 1);
+  if (cudaLaunchKernelEx(&cfg, kern, *g.a64, *g.b0, *g.b1, *g.out[0], *g.out[1], *g.out[2], p) != cudaSuccess ||
+      cudaGetLastError() != cudaSuccess)
+    return "mok cuda gemm (ping-pong): kernel launch failed";
+  return nullptr;
+}
+
+}  // namespace
+
+const char* launch_grouped_gemm_pingpong(const PingpongGemm& g, int num_sms, cudaStream_t stream) {
+  Params p;
+  p.m_rows = g.m_rows;
+  p.n = g.n;
+  p.k_blocks = g.k_blocks;
+  p.n_tiles = g.n_tiles;
+  p.m_tiles = g.m_tiles;
+  p.group_m = g.group_m;
+  p.tile_group = g.tile_group;
+  p.row_mask = g.row_mask;
+  p.out0 = static_cast<__nv_bfloat16*>(g.out0);
+  p.out1 = static_cast<__nv_bfloat16*>(g.out1);
+  p.out2 = static_cast<__nv_bfloat16*>(g.out2);
+  p.zero_unused = g.zero_unused;
+  if (!g.fused) return launch_as<false, true>(g, p, num_sms, stream);
+  return g.keep_pre ? launch_as<true, true>(g, p, num_sms, stream) : launch_as<true, false>(g, p, num_sms, stream);
+}
+#endif  // MOK_GEMM_TMA_STORE
+
+}  // namespace mok::cuda
