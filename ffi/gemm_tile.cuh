@@ -136,6 +136,25 @@ __device__ __forceinline__ TileCoord raster(int u, int m_tiles, int n_tiles, int
   return {m0 + r % rows, r / rows};
 }
 
+// Which phase of a stage's full barrier a consumer waits for. RingParity:
+// every use of every stage is waited on by this consumer (the cooperative
+// kernels), so the phase follows from the ring position. OwnedParity: the
+// ping-pong kernels, whose warpgroups each wait on their own barriers and only
+// for the stage uses they own; a parity bit per stage, flipped at each wait
+// (a parity from the ring position would alias: a barrier two phases behind
+// passes a wait for the same parity at once).
+struct RingParity {
+  __device__ __forceinline__ uint32_t operator()(uint32_t, uint32_t it) const { return (it / kStages) & 1; }
+};
+struct OwnedParity {
+  uint32_t& bits;
+  __device__ __forceinline__ uint32_t operator()(uint32_t s, uint32_t) const {
+    const uint32_t par = (bits >> s) & 1;
+    bits ^= 1u << s;
+    return par;
+  }
+};
+
 // The consumer K loop of one tile: waits for each stage, issues 4 wgmma k16
 // steps into `acc` (overwriting it at kb = 0), keeps one wgmma group in flight
 // and hands each stage back with release(stage) once its MMAs retired.
@@ -143,17 +162,17 @@ __device__ __forceinline__ TileCoord raster(int u, int m_tiles, int n_tiles, int
 // probe, probe_on (MOK_GEMM_WAIT_PROBE builds only, else unused): the
 // thread's sums, and whether this thread keeps them (a flag beside an always
 // valid pointer: a pointer that is null on the other threads put the sums on
-// the stack).
-template <typename Release>
+// the stack). parity: see RingParity / OwnedParity.
+template <typename Release, typename Parity = RingParity>
 __device__ __forceinline__ void mma_k_loop(float (&acc)[128], uint8_t* smem, uint64_t* full_bar, uint32_t& it,
                                            int k_blocks, int cw, Release&& release, WaitProbe* probe = nullptr,
-                                           bool probe_on = false) {
+                                           bool probe_on = false, Parity parity = {}) {
   (void)probe;
   (void)probe_on;
   uint32_t prev_s = 0;
   for (int kb = 0; kb < k_blocks; ++kb, ++it) {
     const uint32_t s = it % kStages;
-    const uint32_t par = (it / kStages) & 1;
+    const uint32_t par = parity(s, it);
 #if MOK_GEMM_WAIT_PROBE
     const long long t0 = clock64();
     ptx::mbar_wait(&full_bar[s], par);

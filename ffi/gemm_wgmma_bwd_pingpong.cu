@@ -16,10 +16,16 @@
 // the B stage, multicast to both: L2 reads stay at the cooperative kernel's
 // 24 KB per CTA and 2.1 MFLOP.
 //
-// The ring needs no extra ordering: the producer fills the stages in unit
-// order, so warpgroup 1's first loads land only as warpgroup 0's main loop
-// ends, and the two alternate by themselves. Each stage is consumed by one
-// warpgroup of each CTA, so its empty barrier counts 2 x 4 warps.
+// The ring: the producer fills the stages in unit order, each stage use owned
+// by the unit's warpgroup, and signals that warpgroup's own full barrier
+// (kStages per warpgroup). One shared full barrier would alias: warpgroup 1
+// starting unit 1 at ring position k_blocks waits for a phase the barrier
+// reaches only after k_blocks / kStages completions, and a parity wait on a
+// barrier two phases behind passes at once. On its own barriers a warpgroup
+// waits for every phase in order (a parity bit per stage: tile::OwnedParity),
+// and the producer cannot refill a stage before its owner released it. Each
+// stage use is released by one warpgroup of each CTA: the empty barrier
+// counts 2 x 4 warps and completes in ring order.
 //
 // TMA-store epilogue only (-DMOK_GEMM_TMA_STORE=1 builds, the default, with the
 // SwiGLU TMA store selected): the register-store epilogue would spill here.
@@ -55,6 +61,7 @@ using tile::kThreads;
 constexpr int kHalfRows = kBM / 2;                        // a CTA's rows of a unit
 constexpr int kBHalfBytes = tile::kBBytes / 2;            // 128 n rows x 64 k
 constexpr uint32_t kStageTx = kHalfRows * kBK * 2 + tile::kBBytes;  // 8 KB A + 32 KB B per CTA
+static_assert(3 * tile::kStages * 8 <= 1024, "the full (x2) and empty barriers fit before the staging");
 constexpr int kWarpsPerStage = 2 * (kConsumerWarps / 2);  // one warpgroup of each CTA
 
 struct PPMaps {
@@ -68,12 +75,13 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_swiglu_pingpong_kernel(const 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
-  uint64_t* empty_bar = full_bar + kStages;
+  uint64_t* empty_bar = full_bar + 2 * kStages;  // full_bar: kStages per consumer warpgroup
   const int wg = threadIdx.x / 128;
   const uint32_t crank = ptx::cluster_ctarank();
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(&full_bar[s], 1);
+      ptx::mbar_init(&full_bar[kStages + s], 1);
       ptx::mbar_init(&empty_bar[s], kWarpsPerStage);
     }
     ptx::fence_barrier_init();
@@ -89,20 +97,21 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_swiglu_pingpong_kernel(const 
     if (threadIdx.x == 0) {
       ptx::tma_prefetch_desc(&maps.a);
       ptx::tma_prefetch_desc(&maps.b_half);
-      uint32_t it = 0;
+      uint32_t it = 0, live = 0;
       for (int u = cid; u < p.units; u += ncl) {
         const Unit x = decode<kSwiGLU>(p, u);
         if (x.skip) continue;  // the same decision in both CTAs: they stay in lock-step
+        uint64_t* full = full_bar + (live++ & 1) * kStages;  // the owning warpgroup's barriers
         for (int kb = 0; kb < x.kb_count; ++kb, ++it) {
           const uint32_t s = it % kStages;
           const uint32_t par = (it / kStages) & 1;
           ptx::mbar_wait(&empty_bar[s], par ^ 1);  // both CTAs' warpgroup released it
           uint8_t* sa = smem + s * kStageBytes;
           uint8_t* sb = sa + kABytes;
-          ptx::mbar_arrive_expect_tx(&full_bar[s], kStageTx);
-          ptx::tma_load_2d(sa, &maps.a, kb * kBK, x.mt * kBM + static_cast<int>(crank) * kHalfRows, &full_bar[s]);
+          ptx::mbar_arrive_expect_tx(&full[s], kStageTx);
+          ptx::tma_load_2d(sa, &maps.a, kb * kBK, x.mt * kBM + static_cast<int>(crank) * kHalfRows, &full[s]);
           ptx::tma_load_3d_multicast(sb + crank * kBHalfBytes, &maps.b_half, kb * kBK,
-                                     x.nt * kBN + static_cast<int>(crank) * (kBN / 2), x.grp, &full_bar[s], 0x3);
+                                     x.nt * kBN + static_cast<int>(crank) * (kBN / 2), x.grp, &full[s], 0x3);
         }
       }
     }
@@ -116,13 +125,18 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_swiglu_pingpong_kernel(const 
     TmaStore tts{stg, lane, 0, {false, false}, 0u};
     const uint32_t peer_empty = ptx::map_to_rank(ptx::smem_u32(empty_bar), crank ^ 1);
     float acc[128];
-    uint32_t live = 0;  // live units so far, both warpgroups': unit `live` starts at stage live * k_blocks
+    uint32_t live = 0;        // live units so far, both warpgroups'
+    uint32_t it = 0;          // the ring position where the next live unit starts
+    uint32_t phase_bits = 0;  // this warpgroup's full-barrier parity per stage
+    uint64_t* my_full = full_bar + cw * kStages;
     for (int u = cid; u < p.units; u += ncl) {
       const Unit x = decode<kSwiGLU>(p, u);
       if (x.skip) continue;
       const uint32_t n = live++;
-      if (static_cast<int>(n & 1) != cw) continue;
-      uint32_t it = n * static_cast<uint32_t>(x.kb_count);  // mod 2^32: only it % (2 kStages) matters
+      if (static_cast<int>(n & 1) != cw) {
+        it += static_cast<uint32_t>(x.kb_count);  // the other warpgroup's stage uses
+        continue;
+      }
       const int wrow0 = x.mt * kBM + static_cast<int>(crank) * kHalfRows + warp * 16;
       bool keep[2];
       float wrow[2];
@@ -130,8 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_swiglu_pingpong_kernel(const 
       uint32_t prev_s = 0;
       for (int kb = 0; kb < x.kb_count; ++kb, ++it) {
         const uint32_t s = it % kStages;
-        const uint32_t par = (it / kStages) & 1;
-        ptx::mbar_wait(&full_bar[s], par);
+        ptx::mbar_wait(&my_full[s], tile::OwnedParity{phase_bits}(s, it));
         const uint32_t sa = ptx::smem_u32(smem + s * kStageBytes);
         const uint32_t sb = sa + kABytes;
         ptx::wgmma_fence();

@@ -5,7 +5,8 @@
 // alternating between the two warpgroups, so one warpgroup's epilogue runs
 // under the other's main loop. Both CTAs of a unit share its weight group, so
 // each loads its 64 rows of A and half of the B stage, multicast to both (the
-// L2 reads of the cooperative kernel with clusters). Each warpgroup computes
+// L2 reads of the cooperative kernel with clusters); each warpgroup has its
+// own full barriers (see gemm_wgmma_bwd_pingpong.cu). Each warpgroup computes
 // exactly what the cooperative kernel's warpgroup r computes for those rows:
 // bitwise the same outputs. TMA-store epilogues only, no per-row destinations
 // (launch_grouped_gemm falls back to the cooperative kernel otherwise).
@@ -46,6 +47,7 @@ constexpr int kSmemBytes = tile::kStagedGemmSmemBytes;
 constexpr int kHalfRows = kBM / 2;
 constexpr uint32_t kStageTx = kHalfRows * kBK * 2 + tile::kBBytes;  // 8 KB A + 32 KB B per CTA
 constexpr int kWarpsPerStage = 2 * (kConsumerWarps / 2);            // one warpgroup of each CTA
+static_assert(3 * kStages * 8 <= 1024, "the full (x2) and empty barriers fit before the staging");
 
 struct Params {
   int m_rows, n, k_blocks, n_tiles, m_tiles, group_m;
@@ -66,12 +68,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
-  uint64_t* empty_bar = full_bar + kStages;
+  uint64_t* empty_bar = full_bar + 2 * kStages;  // full_bar: kStages per consumer warpgroup
   const int wg = threadIdx.x / 128;
   const uint32_t crank = ptx::cluster_ctarank();
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(&full_bar[s], 1);
+      ptx::mbar_init(&full_bar[kStages + s], 1);
       ptx::mbar_init(&empty_bar[s], kWarpsPerStage);
     }
     ptx::fence_barrier_init();
@@ -90,26 +93,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       ptx::tma_prefetch_desc(&tm_a);
       ptx::tma_prefetch_desc(&tm_b0);
       if (kFused) ptx::tma_prefetch_desc(&tm_b1);
-      uint32_t it = 0;
+      uint32_t it = 0, live = 0;
       for (int u = cid; u < num_units; u += ncl) {
         const tile::TileCoord c = tile::raster(u, p.m_tiles, p.n_tiles, p.group_m);
         const int grp = group_of(c.mt);
         if (grp < 0) continue;  // the same decision in both CTAs: they stay in lock-step
+        uint64_t* full = full_bar + (live++ & 1) * kStages;  // the owning warpgroup's barriers
         for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
           const uint32_t s = it % kStages;
           const uint32_t par = (it / kStages) & 1;
           ptx::mbar_wait(&empty_bar[s], par ^ 1);  // both CTAs' warpgroup released it
           uint8_t* sa = smem + s * kStageBytes;
           uint8_t* sb = sa + kABytes;
-          ptx::mbar_arrive_expect_tx(&full_bar[s], kStageTx);
-          ptx::tma_load_2d(sa, &tm_a, kb * kBK, c.mt * kBM + static_cast<int>(crank) * kHalfRows, &full_bar[s]);
+          ptx::mbar_arrive_expect_tx(&full[s], kStageTx);
+          ptx::tma_load_2d(sa, &tm_a, kb * kBK, c.mt * kBM + static_cast<int>(crank) * kHalfRows, &full[s]);
           // B chunks 2 crank and 2 crank + 1 (8 KB each: 64 N x 64 K), to both CTAs.
 #pragma unroll
           for (int jj = 0; jj < 2; ++jj) {
             const int j = 2 * static_cast<int>(crank) + jj;
             const CUtensorMap* map = (kFused && j >= 2) ? &tm_b1 : &tm_b0;
             const int ncol = kFused ? c.nt * 128 + (j & 1) * 64 : c.nt * 256 + j * 64;
-            ptx::tma_load_3d_multicast(sb + j * kBChunk, map, ncol, kb * kBK, grp, &full_bar[s], 0x3);
+            ptx::tma_load_3d_multicast(sb + j * kBChunk, map, ncol, kb * kBK, grp, &full[s], 0x3);
           }
         }
       }
@@ -132,7 +136,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-    uint32_t live = 0;  // live units so far, both warpgroups': unit `live` starts at stage live * k_blocks
+    uint32_t live = 0;       // live units so far, both warpgroups'
+    uint32_t it = 0;         // the ring position where the next live unit starts
+    uint32_t phase_bits = 0; // this warpgroup's full-barrier parity per stage
+    uint64_t* my_full = full_bar + cw * kStages;
     for (int u = cid; u < num_units; u += ncl) {
       const tile::TileCoord c = tile::raster(u, p.m_tiles, p.n_tiles, p.group_m);
       const int wrow0 = c.mt * kBM + static_cast<int>(crank) * kHalfRows + warp * 16;  // first row of this warp
@@ -161,10 +168,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         continue;
       }
       const uint32_t nlive = live++;
-      if (static_cast<int>(nlive & 1) != cw) continue;
-      uint32_t it = nlive * static_cast<uint32_t>(p.k_blocks);  // mod 2^32: only it % (2 kStages) matters
+      if (static_cast<int>(nlive & 1) != cw) {
+        it += static_cast<uint32_t>(p.k_blocks);  // the other warpgroup's stage uses
+        continue;
+      }
       // A sits at the stage's start (this CTA's 64 rows): cw = 0 for the k loop.
-      tile::mma_k_loop(acc, smem, full_bar, it, p.k_blocks, 0, release);
+      tile::mma_k_loop(acc, smem, my_full, it, p.k_blocks, 0, release, nullptr, false, tile::OwnedParity{phase_bits});
       tts.wrow0 = wrow0;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
