@@ -89,10 +89,18 @@ int gemm_tma_store();
 // launch_grouped_gemm runs on ping-pong consumers (gemm_wgmma_pingpong.cu:
 // 2-CTA clusters, each consumer warpgroup owns whole 64 x 256 halves of the
 // 128 x 256 units in turn; bitwise the same outputs) when its epilogue stores
-// through TMA without per-row destinations, unless MOK_CUDA_GEMM_PINGPONG=0:
-// gemm_pingpong(). PingpongGemm carries launch_grouped_gemm's encoded maps
-// (A with a 64-row box) and tile counts.
-bool gemm_pingpong();
+// through TMA without per-row destinations and gemm_pingpong(fused, k_blocks)
+// says so: MOK_CUDA_GEMM_PINGPONG=1 always, =0 never, unset the fused gate/up
+// GEMM with k_blocks <= kPingpongMaxKBlocks only. Measured (H200, staged
+// harness, RESULTS.md nineteenth session): the fused gate/up at H = 2048 (32 k
+// blocks) 12 % faster, at H = 4096 / 7168 5 % / 20 % slower, the plain down
+// GEMM level or slower: a ping-pong warpgroup's 64-row half loads 24 KB per
+// 2.1 MFLOP against the cooperative cluster kernel's 16, and the same 4-stage
+// ring covers half the time, so it pays only where the heavy SwiGLU epilogue
+// is a large share of a short K loop. PingpongGemm carries
+// launch_grouped_gemm's encoded maps (A with a 64-row box) and tile counts.
+constexpr int kPingpongMaxKBlocks = 32;
+bool gemm_pingpong(bool fused, int k_blocks);
 struct PingpongGemm {
   const CUtensorMap* a64;
   const CUtensorMap* b0;
@@ -172,7 +180,8 @@ struct DgradArgs {
 const char* launch_dgrad_swiglu_bwd(const DgradArgs& args, int num_sms, cudaStream_t stream);
 // launch_dgrad_swiglu_bwd runs on ping-pong consumers (gemm_wgmma_bwd_pingpong.cu:
 // 2-CTA clusters, bitwise the same results) when its epilogue stores through TMA
-// (the default) unless MOK_CUDA_BWD_PINGPONG=0: bwd_swiglu_pingpong().
+// (the default) unless MOK_CUDA_BWD_PINGPONG=0: bwd_swiglu_pingpong(). Measured
+// 1-5 % faster than the cooperative kernel at the four benchmark shapes (H200).
 bool bwd_swiglu_pingpong();
 const char* launch_dgrad_sum2(const DgradArgs& args, int num_sms, cudaStream_t stream);
 
