@@ -136,6 +136,33 @@ __device__ __forceinline__ TileCoord raster(int u, int m_tiles, int n_tiles, int
   return {m0 + r % rows, r / rows};
 }
 
+// Zeros one consumer warp's share of an unused tile (no loads, no math: a
+// tile of padding rows, written when the caller asks): rows row0 and row0 + 8
+// (row0 = the warp's first row + lane / 4), the tile's columns from n_base
+// (128 per output for the fused gate/up, 256 for the plain GEMM), 4 bytes per
+// lane and step; outputs as the epilogues write them.
+template <bool kFused, bool kKeepPre>
+__device__ __forceinline__ void zero_warp_rows(int row0, int lane, int n_base, int m_rows, int n,
+                                               __nv_bfloat16* out0, __nv_bfloat16* out1, __nv_bfloat16* out2) {
+  const int colq = (lane & 3) * 2;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + h * 8;
+    if (row >= m_rows) continue;
+    const size_t rbase = static_cast<size_t>(row) * n;
+#pragma unroll
+    for (int g = 0; g < (kFused ? 16 : 32); ++g) {
+      const int col = n_base + g * 8 + colq;
+      if (col >= n) continue;
+      if (!kFused || kKeepPre) *reinterpret_cast<uint32_t*>(out0 + rbase + col) = 0u;
+      if (kFused) {
+        if (kKeepPre) *reinterpret_cast<uint32_t*>(out1 + rbase + col) = 0u;
+        *reinterpret_cast<uint32_t*>(out2 + rbase + col) = 0u;
+      }
+    }
+  }
+}
+
 // Which phase of a stage's full barrier a consumer waits for. RingParity:
 // every use of every stage is waited on by this consumer (the cooperative
 // kernels), so the phase follows from the ring position. OwnedParity: the

@@ -235,27 +235,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int g_self = group_of(mt);
       const int g_peer = kCluster > 1 ? group_of(mu * kCluster + static_cast<int>(crank ^ 1)) : -1;
       const int row0 = mt * kBM + cw * 64 + warp * 16 + (lane >> 2);
-      const int colq = (lane & 3) * 2;
       if (g_self < 0 && g_peer < 0) {  // no loads, no math
-        if (p.zero_unused) {
-          const int n_base = nt * (kFused ? 128 : 256);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = row0 + h * 8;
-            if (row >= p.m_rows) continue;
-            const size_t rbase = static_cast<size_t>(row) * p.n;
-#pragma unroll
-            for (int g = 0; g < (kFused ? 16 : 32); ++g) {
-              const int col = n_base + g * 8 + colq;
-              if (col >= p.n) continue;
-              if (!kFused || kKeepPre) *reinterpret_cast<uint32_t*>(p.out0 + rbase + col) = 0u;
-              if (kFused) {
-                if (kKeepPre) *reinterpret_cast<uint32_t*>(p.out1 + rbase + col) = 0u;
-                *reinterpret_cast<uint32_t*>(p.out2 + rbase + col) = 0u;
-              }
-            }
-          }
-        }
+        if (p.zero_unused)
+          tile::zero_warp_rows<kFused, kKeepPre>(row0, lane, nt * (kFused ? 128 : 256), p.m_rows, p.n, p.out0, p.out1,
+                                                  p.out2);
         continue;
       }
       tile::mma_k_loop(acc, smem, full_bar, it, p.k_blocks, cw, release, &wp, probe_on);

@@ -41,6 +41,7 @@
 #include "bwd_tile.cuh"
 #include "cuda_problem.h"
 #include "gemm_wgmma.cuh"
+#include "pingpong_ring.cuh"
 
 namespace mok::cuda {
 
@@ -58,11 +59,9 @@ namespace {
 using namespace bwd;
 constexpr int kSmemBytes = tile::kStagedGemmSmemBytes;
 using tile::kThreads;
-constexpr int kHalfRows = kBM / 2;                        // a CTA's rows of a unit
-constexpr int kBHalfBytes = tile::kBBytes / 2;            // 128 n rows x 64 k
+using pingpong::kHalfRows;
+constexpr int kBHalfBytes = tile::kBBytes / 2;                      // 128 n rows x 64 k
 constexpr uint32_t kStageTx = kHalfRows * kBK * 2 + tile::kBBytes;  // 8 KB A + 32 KB B per CTA
-static_assert(3 * tile::kStages * 8 <= 1024, "the full (x2) and empty barriers fit before the staging");
-constexpr int kWarpsPerStage = 2 * (kConsumerWarps / 2);  // one warpgroup of each CTA
 
 struct PPMaps {
   CUtensorMap a;       // [rows, k], box {64 k, 64 rows}
@@ -73,21 +72,12 @@ struct PPMaps {
 __global__ void __launch_bounds__(kThreads, 1) bwd_swiglu_pingpong_kernel(const __grid_constant__ PPMaps maps,
                                                                           const BParams p) {
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
-  uint64_t* empty_bar = full_bar + 2 * kStages;  // full_bar: kStages per consumer warpgroup
+  const pingpong::Ring ring = pingpong::setup_ring(smem_raw);
+  uint8_t* smem = ring.smem;
+  uint64_t* full_bar = ring.full_bar;
+  uint64_t* empty_bar = ring.empty_bar;
   const int wg = threadIdx.x / 128;
   const uint32_t crank = ptx::cluster_ctarank();
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(&full_bar[s], 1);
-      ptx::mbar_init(&full_bar[kStages + s], 1);
-      ptx::mbar_init(&empty_bar[s], kWarpsPerStage);
-    }
-    ptx::fence_barrier_init();
-  }
-  __syncthreads();
-  ptx::cluster_sync();  // the partner's barriers exist before any multicast or remote arrive
   const int cid = blockIdx.x / 2;
   const int ncl = gridDim.x / 2;
 
@@ -157,18 +147,12 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_swiglu_pingpong_kernel(const 
         ptx::wgmma_commit();
         if (kb > 0) {
           ptx::wgmma_wait<1>();
-          if (lane == 0) {
-            ptx::mbar_arrive(&empty_bar[prev_s]);
-            ptx::mbar_arrive_cluster(peer_empty + prev_s * 8);
-          }
+          pingpong::release_stage(empty_bar, peer_empty, prev_s, lane);
         }
         prev_s = s;
       }
       ptx::wgmma_wait<0>();
-      if (lane == 0) {
-        ptx::mbar_arrive(&empty_bar[prev_s]);
-        ptx::mbar_arrive_cluster(peer_empty + prev_s * 8);
-      }
+      pingpong::release_stage(empty_bar, peer_empty, prev_s, lane);
 #pragma unroll
       for (int i = 0; i < 128; ++i) ptx::fence_operand(acc[i]);
       unit_epilogue<kSwiGLU, true>(maps, p, x, acc, wrow0, stg, lane, keep, wrow, tts);
@@ -181,46 +165,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_swiglu_pingpong_kernel(const 
   ptx::cluster_sync();
 }
 
-// Clusters of 2 that fit at once (queried once per kernel; 0 when the query fails).
-int resident_clusters(int num_sms, const cudaLaunchConfig_t& cfg_in) {
-  static std::atomic<int> cached{-1};
-  if (cached.load() < 0) {
-    cudaLaunchConfig_t cfg = cfg_in;
-    cfg.gridDim = dim3(2 * std::max(1, num_sms / 2), 1, 1);
-    int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, bwd_swiglu_pingpong_kernel, &cfg) != cudaSuccess || n <= 0) {
-      (void)cudaGetLastError();
-      n = 0;
-    }
-    cached.store(n);
-  }
-  return cached.load();
-}
-
 const char* launch_as(const PPMaps& maps, const BParams& p, int num_sms, cudaStream_t stream) {
-  auto* kern = bwd_swiglu_pingpong_kernel;
-  // Every launch (the attribute is per device), before the occupancy query.
-  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
-    return "mok cuda bwd gemm (ping-pong): cudaFuncSetAttribute failed";
-  if (p.units <= 0) return nullptr;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 2;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int max_clusters = resident_clusters(num_sms, cfg);
-  if (max_clusters <= 0) max_clusters = std::max(1, num_sms / 2);
-  const int clusters = std::min(p.units, max_clusters);
-  cfg.gridDim = dim3(2 * clusters, 1, 1);
-  if (cudaLaunchKernelEx(&cfg, kern, maps, p) != cudaSuccess || cudaGetLastError() != cudaSuccess)
-    return "mok cuda bwd gemm (ping-pong): kernel launch failed";
-  return nullptr;
+  static std::atomic<int> resident{-1};
+  return pingpong::launch_clusters(bwd_swiglu_pingpong_kernel, resident, kSmemBytes, p.units, num_sms, stream,
+                                   "mok cuda bwd gemm (ping-pong): kernel launch failed", maps, p);
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "cuda_ptx.cuh"
 #include "gemm_tile.cuh"
 #include "gemm_wgmma.cuh"
+#include "pingpong_ring.cuh"
 
 namespace mok::cuda {
 
@@ -44,10 +45,8 @@ using tile::kStageBytes;
 using tile::kStages;
 using tile::kThreads;
 constexpr int kSmemBytes = tile::kStagedGemmSmemBytes;
-constexpr int kHalfRows = kBM / 2;
+using pingpong::kHalfRows;
 constexpr uint32_t kStageTx = kHalfRows * kBK * 2 + tile::kBBytes;  // 8 KB A + 32 KB B per CTA
-constexpr int kWarpsPerStage = 2 * (kConsumerWarps / 2);            // one warpgroup of each CTA
-static_assert(3 * kStages * 8 <= 1024, "the full (x2) and empty barriers fit before the staging");
 
 struct Params {
   int m_rows, n, k_blocks, n_tiles, m_tiles, group_m;
@@ -66,21 +65,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                                  const __grid_constant__ CUtensorMap tm_out1,
                                  const __grid_constant__ CUtensorMap tm_out2, const Params p) {
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
-  uint64_t* empty_bar = full_bar + 2 * kStages;  // full_bar: kStages per consumer warpgroup
+  const pingpong::Ring ring = pingpong::setup_ring(smem_raw);
+  uint8_t* smem = ring.smem;
+  uint64_t* full_bar = ring.full_bar;
+  uint64_t* empty_bar = ring.empty_bar;
   const int wg = threadIdx.x / 128;
   const uint32_t crank = ptx::cluster_ctarank();
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(&full_bar[s], 1);
-      ptx::mbar_init(&full_bar[kStages + s], 1);
-      ptx::mbar_init(&empty_bar[s], kWarpsPerStage);
-    }
-    ptx::fence_barrier_init();
-  }
-  __syncthreads();
-  ptx::cluster_sync();  // the partner's barriers exist before any multicast or remote arrive
   const int cid = blockIdx.x / 2;
   const int ncl = gridDim.x / 2;
   const int num_units = p.m_tiles * p.n_tiles;
@@ -127,12 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint8_t* stg = smem + tile::kStagedStgOffset + (cw * 4 + warp) * tile::kStagedStgWarpBytes;
     tile::TmaTileStore tts{stg, lane, 0, {false, false}, 0u};
     const uint32_t peer_empty = ptx::map_to_rank(ptx::smem_u32(empty_bar), crank ^ 1);
-    auto release = [&](uint32_t s) {
-      if (lane == 0) {
-        ptx::mbar_arrive(&empty_bar[s]);
-        ptx::mbar_arrive_cluster(peer_empty + s * 8);
-      }
-    };
+    auto release = [&](uint32_t s) { pingpong::release_stage(empty_bar, peer_empty, s, lane); };
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
@@ -145,26 +130,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int wrow0 = c.mt * kBM + static_cast<int>(crank) * kHalfRows + warp * 16;  // first row of this warp
       const int row0 = wrow0 + (lane >> 2);
       if (group_of(c.mt) < 0) {  // no loads, no math; zeros from warpgroup 0 when asked
-        if (p.zero_unused && cw == 0) {
-          const int n_base = c.nt * (kFused ? 128 : 256);
-          const int colq = (lane & 3) * 2;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = row0 + h * 8;
-            if (row >= p.m_rows) continue;
-            const size_t rbase = static_cast<size_t>(row) * p.n;
-#pragma unroll
-            for (int g = 0; g < (kFused ? 16 : 32); ++g) {
-              const int col = n_base + g * 8 + colq;
-              if (col >= p.n) continue;
-              if (!kFused || kKeepPre) *reinterpret_cast<uint32_t*>(p.out0 + rbase + col) = 0u;
-              if (kFused) {
-                if (kKeepPre) *reinterpret_cast<uint32_t*>(p.out1 + rbase + col) = 0u;
-                *reinterpret_cast<uint32_t*>(p.out2 + rbase + col) = 0u;
-              }
-            }
-          }
-        }
+        if (p.zero_unused && cw == 0)
+          tile::zero_warp_rows<kFused, kKeepPre>(row0, lane, c.nt * (kFused ? 128 : 256), p.m_rows, p.n, p.out0,
+                                                  p.out1, p.out2);
         continue;
       }
       const uint32_t nlive = live++;
@@ -196,39 +164,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <bool kFused, bool kKeepPre>
 const char* launch_as(const PingpongGemm& g, const Params& p, int num_sms, cudaStream_t stream) {
-  auto* kern = grouped_gemm_pingpong_kernel<kFused, kKeepPre>;
   static std::atomic<int> resident{-1};
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 2;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  // Every launch, as the cooperative kernel: the attribute is per device.
-  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
-    return "mok cuda gemm (ping-pong): cudaFuncSetAttribute failed";
-  if (resident.load() < 0) {  // once per kernel: the clusters that fit at once
-    cfg.gridDim = dim3(2 * std::max(1, num_sms / 2), 1, 1);
-    int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess || n <= 0) {
-      (void)cudaGetLastError();
-      n = 0;
-    }
-    resident.store(n);
-  }
-  const int max_clusters = resident.load() > 0 ? resident.load() : std::max(1, num_sms / 2);
-  const int64_t units = int64_t(p.m_tiles) * p.n_tiles;
-  if (units <= 0) return nullptr;
-  cfg.gridDim = dim3(2 * static_cast<int>(std::min<int64_t>(units, max_clusters)), 1, 1);
-  if (cudaLaunchKernelEx(&cfg, kern, *g.a64, *g.b0, *g.b1, *g.out[0], *g.out[1], *g.out[2], p) != cudaSuccess ||
-      cudaGetLastError() != cudaSuccess)
-    return "mok cuda gemm (ping-pong): kernel launch failed";
-  return nullptr;
+  return pingpong::launch_clusters(grouped_gemm_pingpong_kernel<kFused, kKeepPre>, resident, kSmemBytes,
+                                   int64_t(p.m_tiles) * p.n_tiles, num_sms, stream,
+                                   "mok cuda gemm (ping-pong): kernel launch failed", *g.a64, *g.b0, *g.b1, *g.out[0],
+                                   *g.out[1], *g.out[2], p);
 }
 
 }  // namespace
