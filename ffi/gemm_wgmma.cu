@@ -480,7 +480,7 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   }
 
 #if MOK_GEMM_TMA_STORE
-  if (tma_store && gemm_pingpong(fused, p.k_blocks)) {
+  if (tma_store && gemm_pingpong(fused, keep_pre, p.k_blocks)) {
     CUtensorMap tm_a64;
     if (!make_map_2d(&tm_a64, a.a, a.m_rows, a.k, kBK, kBM / 2)) return "mok cuda gemm: tensor map (A) encode failed";
     const PingpongGemm g{&tm_a64, &tm_b0, &tm_b1, {&tm_out[0], &tm_out[1], &tm_out[2]}, p.m_rows, p.n, p.k_blocks,

@@ -89,9 +89,12 @@ int gemm_tma_store();
 // launch_grouped_gemm runs on ping-pong consumers (gemm_wgmma_pingpong.cu:
 // 2-CTA clusters, each consumer warpgroup owns whole 64 x 256 halves of the
 // 128 x 256 units in turn; bitwise the same outputs) when its epilogue stores
-// through TMA without per-row destinations and gemm_pingpong(fused, k_blocks)
-// says so: MOK_CUDA_GEMM_PINGPONG=1 always, =0 never, unset the fused gate/up
-// GEMM with k_blocks <= kPingpongMaxKBlocks only. Measured (H200, staged
+// through TMA without per-row destinations and gemm_pingpong(fused, keep_pre,
+// k_blocks) says so: MOK_CUDA_GEMM_PINGPONG=1 always, =0 never, unset only the
+// fused gate/up GEMM that keeps its pre-activations (training: three outputs)
+// with k_blocks <= kPingpongMaxKBlocks. The activation-only gate/up (one
+// output) measured 3 % slower through JAX at shape 1 (H100, one run, not
+// alternated), so it stays on the cooperative kernel. Measured (H200, staged
 // harness, RESULTS.md nineteenth session): the fused gate/up at H = 2048 (32 k
 // blocks) 12 % faster, at H = 4096 / 7168 5 % / 20 % slower, the plain down
 // GEMM level or slower: a ping-pong warpgroup's 64-row half loads 24 KB per
@@ -100,7 +103,7 @@ int gemm_tma_store();
 // is a large share of a short K loop. PingpongGemm carries
 // launch_grouped_gemm's encoded maps (A with a 64-row box) and tile counts.
 constexpr int kPingpongMaxKBlocks = 32;
-bool gemm_pingpong(bool fused, int k_blocks);
+bool gemm_pingpong(bool fused, bool keep_pre, int k_blocks);
 struct PingpongGemm {
   const CUtensorMap* a64;
   const CUtensorMap* b0;

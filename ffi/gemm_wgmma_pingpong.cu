@@ -25,12 +25,12 @@
 
 namespace mok::cuda {
 
-bool gemm_pingpong(bool fused, int k_blocks) {
+bool gemm_pingpong(bool fused, bool keep_pre, int k_blocks) {
   static const int mode = [] {  // -1: by the measured rule (gemm_wgmma.cuh)
     const char* e = std::getenv("MOK_CUDA_GEMM_PINGPONG");
     return e == nullptr ? -1 : (std::atoi(e) != 0 ? 1 : 0);
   }();
-  return mode < 0 ? fused && k_blocks <= kPingpongMaxKBlocks : mode == 1;
+  return mode < 0 ? fused && keep_pre && k_blocks <= kPingpongMaxKBlocks : mode == 1;
 }
 
 #if MOK_GEMM_TMA_STORE
