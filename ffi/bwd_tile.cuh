@@ -203,19 +203,15 @@ __device__ __forceinline__ void unit_epilogue(const MapsT& maps, const BParams& 
                                               float (&acc)[128], int wrow0, uint8_t* stg, int lane,
                                               const bool (&keep)[2], const float (&wrow)[2], TmaStore& tts);
 
-// A consumer warpgroup's half (cw) of unit x: the wgmma k-loop into acc, each
-// stage released to the producer as soon as its wgmma retired, then the
-// variant's epilogue through this warp's staging buffer stg. kTma (only in
-// -DMOK_GEMM_TMA_STORE=1 builds) stores through TMA (tts). A template
-// argument, not a runtime branch, so each kernel holds one epilogue.
-template <int kMode, bool kTma, class MapsT>
-__device__ __forceinline__ void consume_unit(const MapsT& maps, const BParams& p, const Unit& x, float (&acc)[128],
-                                             uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar, uint32_t& it,
-                                             uint8_t* stg, int cw, int warp, int lane, TmaStore& tts) {
-  const int wrow0 = x.mt * kBM + cw * 64 + warp * 16;
-  bool keep[2];
-  float wrow[2];
-  unit_rows<kMode>(p, x, wrow0, lane, keep, wrow);
+// The wgmma k-loop of unit x into acc (zeros when x has no k blocks): waits
+// for each stage (its phase from parity: tile::RingParity when this consumer
+// waits on every stage use, tile::OwnedParity for the ping-pong kernels) and
+// hands it back with release(stage) as soon as its wgmma retired. cw: which
+// 64-row half of the stage's A holds this warpgroup's rows (0 where the stage
+// holds only them).
+template <int kMode, class Release, class Parity = tile::RingParity>
+__device__ __forceinline__ void unit_k_loop(float (&acc)[128], uint8_t* smem, uint64_t* full_bar, uint32_t& it,
+                                            const Unit& x, int cw, Release&& release, Parity parity = {}) {
   if (x.kb_count == 0) {
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
@@ -223,8 +219,7 @@ __device__ __forceinline__ void consume_unit(const MapsT& maps, const BParams& p
   uint32_t prev_s = 0;
   for (int kb = 0; kb < x.kb_count; ++kb, ++it) {
     const uint32_t s = it % kStages;
-    const uint32_t par = (it / kStages) & 1;
-    ptx::mbar_wait(&full_bar[s], par);
+    ptx::mbar_wait(&full_bar[s], parity(s, it));
     const uint32_t sa = ptx::smem_u32(smem + s * kStageBytes);
     const uint32_t sb = sa + kABytes;
     ptx::wgmma_fence();
@@ -243,14 +238,32 @@ __device__ __forceinline__ void consume_unit(const MapsT& maps, const BParams& p
     ptx::wgmma_commit();
     if (kb > 0) {
       ptx::wgmma_wait<1>();
-      if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_s]);
+      release(prev_s);
     }
     prev_s = s;
   }
   ptx::wgmma_wait<0>();
-  if (x.kb_count > 0 && lane == 0) ptx::mbar_arrive(&empty_bar[prev_s]);
+  if (x.kb_count > 0) release(prev_s);
 #pragma unroll
   for (int i = 0; i < 128; ++i) ptx::fence_operand(acc[i]);
+}
+
+// A consumer warpgroup's half (cw) of unit x: the k-loop into acc, each stage
+// released to the producer as soon as its wgmma retired, then the variant's
+// epilogue through this warp's staging buffer stg. kTma (only in
+// -DMOK_GEMM_TMA_STORE=1 builds) stores through TMA (tts). A template
+// argument, not a runtime branch, so each kernel holds one epilogue.
+template <int kMode, bool kTma, class MapsT>
+__device__ __forceinline__ void consume_unit(const MapsT& maps, const BParams& p, const Unit& x, float (&acc)[128],
+                                             uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar, uint32_t& it,
+                                             uint8_t* stg, int cw, int warp, int lane, TmaStore& tts) {
+  const int wrow0 = x.mt * kBM + cw * 64 + warp * 16;
+  bool keep[2];
+  float wrow[2];
+  unit_rows<kMode>(p, x, wrow0, lane, keep, wrow);
+  unit_k_loop<kMode>(acc, smem, full_bar, it, x, cw, [&](uint32_t s) {
+    if (lane == 0) ptx::mbar_arrive(&empty_bar[s]);
+  });
   unit_epilogue<kMode, kTma>(maps, p, x, acc, wrow0, stg, lane, keep, wrow, tts);
 }
 

@@ -483,9 +483,14 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   if (tma_store && gemm_pingpong(fused, keep_pre, p.k_blocks)) {
     CUtensorMap tm_a64;
     if (!make_map_2d(&tm_a64, a.a, a.m_rows, a.k, kBK, kBM / 2)) return "mok cuda gemm: tensor map (A) encode failed";
-    const PingpongGemm g{&tm_a64, &tm_b0, &tm_b1, {&tm_out[0], &tm_out[1], &tm_out[2]}, p.m_rows, p.n, p.k_blocks,
-                         p.n_tiles, p.m_tiles, gemm_group_m(), p.tile_group, p.row_mask, a.out0, a.out1, a.out2,
-                         p.zero_unused, fused, keep_pre};
+    const PingpongGemm g{&tm_a64,
+                         &tm_b0,
+                         &tm_b1,
+                         {&tm_out[0], &tm_out[1], &tm_out[2]},
+                         {p.m_rows, p.n, p.k_blocks, p.n_tiles, p.m_tiles, gemm_group_m(), p.tile_group, p.row_mask,
+                          a.out0, a.out1, a.out2, p.zero_unused},
+                         fused,
+                         keep_pre};
     return launch_grouped_gemm_pingpong(g, num_sms, stream);
   }
 #endif

@@ -104,18 +104,21 @@ int gemm_tma_store();
 // launch_grouped_gemm's encoded maps (A with a 64-row box) and tile counts.
 constexpr int kPingpongMaxKBlocks = 32;
 bool gemm_pingpong(bool fused, bool keep_pre, int k_blocks);
+struct PingpongParams {  // the ping-pong kernel's scalars, passed to it as they are
+  int m_rows, n, k_blocks, n_tiles, m_tiles, group_m;
+  const int32_t* tile_group;
+  const uint8_t* row_mask;
+  void* out0;  // bf16, as GroupedGemmArgs
+  void* out1;
+  void* out2;
+  int zero_unused;
+};
 struct PingpongGemm {
   const CUtensorMap* a64;
   const CUtensorMap* b0;
   const CUtensorMap* b1;
   const CUtensorMap* out[3];
-  int m_rows, n, k_blocks, n_tiles, m_tiles, group_m;
-  const int32_t* tile_group;
-  const uint8_t* row_mask;
-  void* out0;
-  void* out1;
-  void* out2;
-  int zero_unused;
+  PingpongParams p;
   bool fused, keep_pre;
 };
 const char* launch_grouped_gemm_pingpong(const PingpongGemm& g, int num_sms, cudaStream_t stream);

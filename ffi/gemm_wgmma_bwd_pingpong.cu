@@ -33,13 +33,11 @@
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 
 #include "bwd_tile.cuh"
-#include "cuda_problem.h"
 #include "gemm_wgmma.cuh"
 #include "pingpong_ring.cuh"
 
@@ -131,30 +129,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_swiglu_pingpong_kernel(const 
       bool keep[2];
       float wrow[2];
       unit_rows<kSwiGLU>(p, x, wrow0, lane, keep, wrow);
-      uint32_t prev_s = 0;
-      for (int kb = 0; kb < x.kb_count; ++kb, ++it) {
-        const uint32_t s = it % kStages;
-        ptx::mbar_wait(&my_full[s], tile::OwnedParity{phase_bits}(s, it));
-        const uint32_t sa = ptx::smem_u32(smem + s * kStageBytes);
-        const uint32_t sb = sa + kABytes;
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
-          const uint64_t da = ptx::make_smem_desc_sw128(sa + kk * 32, 16, 1024);
-          const uint64_t db = ptx::make_smem_desc_sw128(sb + kk * 32, 16, 1024);
-          ptx::wgmma_m64n256k16_bf16<0, 0>(acc, da, db, (kb | kk) != 0);
-        }
-        ptx::wgmma_commit();
-        if (kb > 0) {
-          ptx::wgmma_wait<1>();
-          pingpong::release_stage(empty_bar, peer_empty, prev_s, lane);
-        }
-        prev_s = s;
-      }
-      ptx::wgmma_wait<0>();
-      pingpong::release_stage(empty_bar, peer_empty, prev_s, lane);
-#pragma unroll
-      for (int i = 0; i < 128; ++i) ptx::fence_operand(acc[i]);
+      // The stage's A holds only this CTA's 64 rows: cw = 0 for the k loop.
+      unit_k_loop<kSwiGLU>(
+          acc, smem, my_full, it, x, 0, [&](uint32_t s) { pingpong::release_stage(empty_bar, peer_empty, s, lane); },
+          tile::OwnedParity{phase_bits});
       unit_epilogue<kSwiGLU, true>(maps, p, x, acc, wrow0, stg, lane, keep, wrow, tts);
     }
     tts.drain();  // every TMA store complete before the CTA exits

@@ -4,9 +4,11 @@
 // CTA r its rows [64 r, 64 r + 64) on one consumer warpgroup, units
 // alternating between the two warpgroups, so one warpgroup's epilogue runs
 // under the other's main loop. Both CTAs of a unit share its weight group, so
-// each loads its 64 rows of A and half of the B stage, multicast to both (the
-// L2 reads of the cooperative kernel with clusters); each warpgroup has its
-// own full barriers (see gemm_wgmma_bwd_pingpong.cu). Each warpgroup computes
+// each loads its 64 rows of A and half of the B stage, multicast to both: 24 KB
+// from L2 per 2.1 MFLOP, against 16 KB for the cooperative kernel with
+// clusters (why it is the default only where the epilogue is heavy and K
+// short: gemm_pingpong in gemm_wgmma.cuh). Each warpgroup has its own full
+// barriers (see gemm_wgmma_bwd_pingpong.cu). Each warpgroup computes
 // exactly what the cooperative kernel's warpgroup r computes for those rows:
 // bitwise the same outputs. TMA-store epilogues only, no per-row destinations
 // (launch_grouped_gemm falls back to the cooperative kernel otherwise).
@@ -14,7 +16,6 @@
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 
@@ -40,7 +41,6 @@ using tile::kABytes;
 using tile::kBChunk;
 using tile::kBK;
 using tile::kBM;
-using tile::kConsumerWarps;
 using tile::kStageBytes;
 using tile::kStages;
 using tile::kThreads;
@@ -48,22 +48,13 @@ constexpr int kSmemBytes = tile::kStagedGemmSmemBytes;
 using pingpong::kHalfRows;
 constexpr uint32_t kStageTx = kHalfRows * kBK * 2 + tile::kBBytes;  // 8 KB A + 32 KB B per CTA
 
-struct Params {
-  int m_rows, n, k_blocks, n_tiles, m_tiles, group_m;
-  const int32_t* tile_group;
-  const uint8_t* row_mask;
-  __nv_bfloat16* out0;
-  __nv_bfloat16* out1;
-  __nv_bfloat16* out2;
-  int zero_unused;
-};
 
 template <bool kFused, bool kKeepPre>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_pingpong_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b0,
                                  const __grid_constant__ CUtensorMap tm_b1, const __grid_constant__ CUtensorMap tm_out0,
                                  const __grid_constant__ CUtensorMap tm_out1,
-                                 const __grid_constant__ CUtensorMap tm_out2, const Params p) {
+                                 const __grid_constant__ CUtensorMap tm_out2, const PingpongParams p) {
   extern __shared__ uint8_t smem_raw[];
   const pingpong::Ring ring = pingpong::setup_ring(smem_raw);
   uint8_t* smem = ring.smem;
@@ -131,8 +122,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int row0 = wrow0 + (lane >> 2);
       if (group_of(c.mt) < 0) {  // no loads, no math; zeros from warpgroup 0 when asked
         if (p.zero_unused && cw == 0)
-          tile::zero_warp_rows<kFused, kKeepPre>(row0, lane, c.nt * (kFused ? 128 : 256), p.m_rows, p.n, p.out0,
-                                                  p.out1, p.out2);
+          tile::zero_warp_rows<kFused, kKeepPre>(row0, lane, c.nt * (kFused ? 128 : 256), p.m_rows, p.n,
+                                                  static_cast<__nv_bfloat16*>(p.out0),
+                                                  static_cast<__nv_bfloat16*>(p.out1),
+                                                  static_cast<__nv_bfloat16*>(p.out2));
         continue;
       }
       const uint32_t nlive = live++;
@@ -163,32 +156,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 template <bool kFused, bool kKeepPre>
-const char* launch_as(const PingpongGemm& g, const Params& p, int num_sms, cudaStream_t stream) {
+const char* launch_as(const PingpongGemm& g, int num_sms, cudaStream_t stream) {
   static std::atomic<int> resident{-1};
   return pingpong::launch_clusters(grouped_gemm_pingpong_kernel<kFused, kKeepPre>, resident, kSmemBytes,
-                                   int64_t(p.m_tiles) * p.n_tiles, num_sms, stream,
+                                   int64_t(g.p.m_tiles) * g.p.n_tiles, num_sms, stream,
                                    "mok cuda gemm (ping-pong): kernel launch failed", *g.a64, *g.b0, *g.b1, *g.out[0],
-                                   *g.out[1], *g.out[2], p);
+                                   *g.out[1], *g.out[2], g.p);
 }
 
 }  // namespace
 
 const char* launch_grouped_gemm_pingpong(const PingpongGemm& g, int num_sms, cudaStream_t stream) {
-  Params p;
-  p.m_rows = g.m_rows;
-  p.n = g.n;
-  p.k_blocks = g.k_blocks;
-  p.n_tiles = g.n_tiles;
-  p.m_tiles = g.m_tiles;
-  p.group_m = g.group_m;
-  p.tile_group = g.tile_group;
-  p.row_mask = g.row_mask;
-  p.out0 = static_cast<__nv_bfloat16*>(g.out0);
-  p.out1 = static_cast<__nv_bfloat16*>(g.out1);
-  p.out2 = static_cast<__nv_bfloat16*>(g.out2);
-  p.zero_unused = g.zero_unused;
-  if (!g.fused) return launch_as<false, true>(g, p, num_sms, stream);
-  return g.keep_pre ? launch_as<true, true>(g, p, num_sms, stream) : launch_as<true, false>(g, p, num_sms, stream);
+  if (!g.fused) return launch_as<false, true>(g, num_sms, stream);
+  return g.keep_pre ? launch_as<true, true>(g, num_sms, stream) : launch_as<true, false>(g, num_sms, stream);
 }
 #endif  // MOK_GEMM_TMA_STORE
 

@@ -7,9 +7,10 @@ without nvcc).
 (-DMOK_GEMM_TMA_STORE=0), the epilogue probe (-DMOK_GEMM_EPILOGUE_PROBE=1) and
 the 3-stage ring with 5 TMA-store buffers per warp (-DMOK_GEMM_STAGES=3
 -DMOK_GEMM_STG_BUFS=5) and the stage-wait probe (-DMOK_GEMM_WAIT_PROBE=1) are
-built by the GPU scripts; the ping-pong kernels (forward GEMMs, SwiGLU
-backward) are checked in their default builds too (pip's build reports spills only in its log) (tests/cuda/ab_tma_store.sh,
-tests/cuda/gpu_session_stages.sh). Without this test a
+built by the GPU scripts (tests/cuda/ab_tma_store.sh,
+tests/cuda/gpu_session_stages.sh). The ping-pong kernels (forward GEMMs,
+SwiGLU backward) are checked in their default builds too: pip's build
+reports spills only in its log. Without this test a
 change to the shared tile code could leave them broken, or spilling at the
 168-register cap of the 384-thread CTA, until the next device session.
 """
