@@ -109,30 +109,27 @@ struct KParams {
 
 // kGather's A stage: 128 rows x 64 columns (128 bytes per row, 16-byte chunk c
 // of row r at chunk c ^ (r % 8): the layout TMA's 128-byte swizzle writes),
-// loaded by the gather warp with one 16-byte cp.async per (row, chunk).
-// Lane l copies chunk l % 8 of rows 4 j + l / 8 (j = 0..31), so each
-// instruction reads 4 whole 128-byte row segments (4 L1 wavefronts, not the
-// 32 of one row per lane); the row's token comes from the lane that holds it
-// (tok[i] of lane l: row l + 32 i). Columns past k and rows without a token
-// are zero-filled, as TMA fills them out of bounds.
-__device__ __forceinline__ void gather_load_a(uint8_t* sa, const int (&tok)[4], int lane, int kb, const KParams& p) {
-  const uint32_t base = ptx::smem_u32(sa);
+// loaded by the 4 producer warps with one 16-byte cp.async per (row, chunk);
+// warp w takes rows [32 w, 32 w + 32). Lane l copies chunk l % 8 of rows
+// 32 w + 4 j + l / 8 (j = 0..7), so each instruction reads 4 whole 128-byte
+// row segments (4 L1 wavefronts, not the 32 of one row per lane); a row's
+// token comes from the lane that holds it (`tok` of lane l: row 32 w + l).
+// Columns past k and rows without a token are zero-filled, as TMA fills them
+// out of bounds. One warp alone gathered at ~210 TF/s of gate/up at every
+// benchmark shape (H100): the loads of one warp (one SM sub-partition's LSU)
+// could not feed the tensor cores.
+__device__ __forceinline__ void gather_load_a(uint8_t* sa, int tok, int warp, int lane, int kb, const KParams& p) {
+  const uint32_t base = ptx::smem_u32(sa) + warp * (32 * 128);
   const int c = lane & 7, q = lane >> 3;
   const int col = kb * kBK + c * 8;
   const bool col_ok = col < p.k_elems;
-  // Rolled over the 4 groups of 32 rows and unrolled by 4 inside a group:
-  // fully unrolled, the addresses in flight spilled the producer's 40 registers.
-#pragma unroll 1
-  for (int i = 0; i < 4; ++i) {
-    const int mine = i == 0 ? tok[0] : i == 1 ? tok[1] : i == 2 ? tok[2] : tok[3];
-#pragma unroll 4
-    for (int jj = 0; jj < 8; ++jj) {
-      const int rr = 4 * jj + q;  // row within the group, and the lane holding its token
-      const int t = __shfl_sync(0xffffffffu, mine, rr);
-      const bool ok = col_ok && t >= 0;
-      const __nv_bfloat16* src = ok ? p.gather_src + static_cast<size_t>(t) * p.k_elems + col : p.gather_src;
-      ptx::cp_async_16_zfill(base + (32 * i + rr) * 128 + ((c ^ (rr & 7)) << 4), src, ok ? 16u : 0u);
-    }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int rr = 4 * j + q;  // row within the warp's 32, and the lane holding its token
+    const int t = __shfl_sync(0xffffffffu, tok, rr);
+    const bool ok = col_ok && t >= 0;
+    const __nv_bfloat16* src = ok ? p.gather_src + static_cast<size_t>(t) * p.k_elems + col : p.gather_src;
+    ptx::cp_async_16_zfill(base + rr * 128 + ((c ^ (rr & 7)) << 4), src, ok ? 16u : 0u);
   }
 }
 
@@ -151,12 +148,12 @@ __device__ unsigned long long g_wait_probe[2][8];
 // The empty barrier of each stage then counts the consumer warps of both CTAs.
 // kKeepPre = false (kFused only): the activation is the only output (out0 and
 // out1, the gate/up pre-activations, are not written).
-// kGather: a second producer warp gathers A's rows with cp.async
+// kGather: the producer warpgroup's 4 warps gather A's rows with cp.async
 // (gather_load_a) instead of one TMA load, so the routed rows are read
 // straight from x and no dispatch copy runs first; B still comes by TMA. Each
-// stage's full barrier then counts 1 + 32 arrivals (the expect_tx and one
-// cp.async arrive per gather lane) and the consumers fence the proxies before
-// wgmma.
+// stage's full barrier then counts 1 + 128 arrivals (the expect_tx and one
+// cp.async arrive per producer thread) and the consumers fence the proxies
+// before wgmma.
 template <bool kFused, int kCluster, bool kKeepPre, bool kGather = false>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b0,
@@ -175,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t crank = kCluster > 1 ? ptx::cluster_ctarank() : 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(&full_bar[s], kGather ? 1 + 32 : 1);
+      ptx::mbar_init(&full_bar[s], kGather ? 1 + 128 : 1);
       ptx::mbar_init(&empty_bar[s], kConsumerWarps * kCluster);
     }
     ptx::fence_barrier_init();
@@ -198,82 +195,69 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     // ------------------------------------------------------------ producer
     ptx::setmaxnreg_dec<40>();
-    // Unit u's tiles: (m tile of this CTA, n tile, this CTA's group, the
-    // partner's group; -1 = unused), the same walk for both producer warps.
-    auto unit_tiles = [&](int u, int& mt, int& nt, int& g_self, int& g_peer) {
-      const tile::TileCoord c = tile::raster(u, m_units, p.n_tiles, p.group_m);
-      mt = c.mt * kCluster + static_cast<int>(crank);
-      nt = c.nt;
-      g_self = group_of(mt);
-      g_peer = kCluster > 1 ? group_of(c.mt * kCluster + static_cast<int>(crank ^ 1)) : -1;
-    };
-    if (threadIdx.x == 0) {
-      // TMA: B (and A unless kGather)
-      if (!kGather) ptx::tma_prefetch_desc(&tm_a);
-      ptx::tma_prefetch_desc(&tm_b0);
-      if (kFused) ptx::tma_prefetch_desc(&tm_b1);
+    // Thread 0 issues the TMA loads: B, and A unless kGather; with kGather
+    // all 4 warps run the same loop and gather A's rows (gather_load_a).
+    const int pwarp = threadIdx.x / 32, plane = threadIdx.x & 31;
+    if (kGather || threadIdx.x == 0) {
+      if (threadIdx.x == 0) {
+        if (!kGather) ptx::tma_prefetch_desc(&tm_a);
+        ptx::tma_prefetch_desc(&tm_b0);
+        if (kFused) ptx::tma_prefetch_desc(&tm_b1);
+      }
       uint32_t it = 0;
       for (int u = cid; u < num_units; u += ncl) {
-        int mt, nt, g_self, g_peer;
-        unit_tiles(u, mt, nt, g_self, g_peer);
+        const tile::TileCoord c = tile::raster(u, m_units, p.n_tiles, p.group_m);
+        const int mu = c.mt, nt = c.nt;
+        const int mt = mu * kCluster + static_cast<int>(crank);
+        const int g_self = group_of(mt);
+        const int g_peer = kCluster > 1 ? group_of(mu * kCluster + static_cast<int>(crank ^ 1)) : -1;
         if (g_self < 0 && g_peer < 0) continue;
         const int grp = g_self >= 0 ? g_self : g_peer;
         const int grp_peer = g_peer >= 0 ? g_peer : g_self;
         const bool mcast = kCluster > 1 && grp == grp_peer;
+        // kGather: the source token of row 32 pwarp + plane of this CTA's tile
+        // (-1: zeros: padding, or a tile computed only to keep the pair in step).
+        int tok = -1;
+        if (kGather) {
+          const int row = mt * kBM + 32 * pwarp + plane;
+          const int32_t pair = g_self >= 0 && row < p.m_rows ? __ldg(p.gather_pair + row) : -1;
+          tok = pair >= 0 ? pair / p.gather_div : -1;
+        }
         for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
           const uint32_t s = it % kStages;
           const uint32_t par = (it / kStages) & 1;
           ptx::mbar_wait(&empty_bar[s], par ^ 1);
           uint8_t* sa = smem + s * kStageBytes;
           uint8_t* sb = sa + kABytes;
+          if (threadIdx.x == 0) {
+            if (kGather) {
+              ptx::mbar_arrive_expect_tx(&full_bar[s], tile::kBBytes);
+            } else {
+              ptx::mbar_arrive_expect_tx(&full_bar[s], kStageBytes);
+              ptx::tma_load_2d(sa, &tm_a, kb * kBK, mt * kBM, &full_bar[s]);
+            }
+            // B chunk j (8 KB): 64 N columns x 64 K rows.
+            auto load_b = [&](int j, bool multicast) {
+              const CUtensorMap* map = (kFused && j >= 2) ? &tm_b1 : &tm_b0;
+              const int ncol = kFused ? nt * 128 + (j & 1) * 64 : nt * 256 + j * 64;
+              if (multicast)
+                ptx::tma_load_3d_multicast(sb + j * kBChunk, map, ncol, kb * kBK, grp, &full_bar[s],
+                                           static_cast<uint16_t>((1u << kCluster) - 1));
+              else
+                ptx::tma_load_3d(sb + j * kBChunk, map, ncol, kb * kBK, grp, &full_bar[s]);
+            };
+            if (mcast) {
+              load_b(2 * crank, true);
+              load_b(2 * crank + 1, true);
+            } else {
+#pragma unroll
+              for (int j = 0; j < 4; ++j) load_b(j, false);
+            }
+          }
           if (kGather) {
-            ptx::mbar_arrive_expect_tx(&full_bar[s], tile::kBBytes);
-          } else {
-            ptx::mbar_arrive_expect_tx(&full_bar[s], kStageBytes);
-            ptx::tma_load_2d(sa, &tm_a, kb * kBK, mt * kBM, &full_bar[s]);
+            gather_load_a(sa, tok, pwarp, plane, kb, p);
+            ptx::cp_async_mbar_arrive_noinc(&full_bar[s]);
           }
-          // B chunk j (8 KB): 64 N columns x 64 K rows.
-          auto load_b = [&](int j, bool multicast) {
-            const CUtensorMap* map = (kFused && j >= 2) ? &tm_b1 : &tm_b0;
-            const int ncol = kFused ? nt * 128 + (j & 1) * 64 : nt * 256 + j * 64;
-            if (multicast)
-              ptx::tma_load_3d_multicast(sb + j * kBChunk, map, ncol, kb * kBK, grp, &full_bar[s],
-                                         static_cast<uint16_t>((1u << kCluster) - 1));
-            else
-              ptx::tma_load_3d(sb + j * kBChunk, map, ncol, kb * kBK, grp, &full_bar[s]);
-          };
-          if (mcast) {
-            load_b(2 * crank, true);
-            load_b(2 * crank + 1, true);
-          } else {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) load_b(j, false);
-          }
-        }
-      }
-    } else if (kGather && threadIdx.x / 32 == 1) {
-      // The A gather (warp 1, its own registers beside warp 0's TMA issue):
-      // same units and stages, one cp.async arrive per lane and stage.
-      const int lane = threadIdx.x & 31;
-      uint32_t it = 0;
-      for (int u = cid; u < num_units; u += ncl) {
-        int mt, nt, g_self, g_peer;
-        unit_tiles(u, mt, nt, g_self, g_peer);
-        if (g_self < 0 && g_peer < 0) continue;
-        // The source token of rows lane + 32 i of this CTA's tile (-1: zeros:
-        // padding, or a tile computed only to keep the pair in step).
-        int tok[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int row = mt * kBM + lane + 32 * i;
-          const int32_t pair = g_self >= 0 && row < p.m_rows ? __ldg(p.gather_pair + row) : -1;
-          tok[i] = pair >= 0 ? pair / p.gather_div : -1;
-        }
-        for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
-          const uint32_t s = it % kStages;
-          ptx::mbar_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);
-          gather_load_a(smem + s * kStageBytes, tok, lane, kb, p);
-          ptx::cp_async_mbar_arrive_noinc(&full_bar[s]);
         }
       }
     }
