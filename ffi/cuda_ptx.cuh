@@ -94,6 +94,12 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_dst, const void*
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
+// The same, with a hint to fetch the 256-byte L2 block around src (as TMA
+// maps with CU_TENSOR_MAP_L2_PROMOTION_L2_256B do).
+__device__ __forceinline__ void cp_async_16_zfill_l2_256(uint32_t smem_dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(smem_dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
 // One arrive on `bar` once every cp.async this thread issued so far has
 // landed; .noinc: the barrier's expected count includes this arrive.
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {

@@ -105,6 +105,8 @@ struct KParams {
   int gather_div;
   int k_elems;
   const __nv_bfloat16* gather_src;
+  int gather_l2_256;  // the cp.async L2::256B prefetch hint (gemm_gather_l2_256)
+  int gather_fence;   // measurement only: 0 drops the consumers' proxy fence (MOK_CUDA_GATHER_FENCE=0)
 };
 
 // kGather's A stage: 128 rows x 64 columns (128 bytes per row, 16-byte chunk c
@@ -129,7 +131,11 @@ __device__ __forceinline__ void gather_load_a(uint8_t* sa, int tok, int warp, in
     const int t = __shfl_sync(0xffffffffu, tok, rr);
     const bool ok = col_ok && t >= 0;
     const __nv_bfloat16* src = ok ? p.gather_src + static_cast<size_t>(t) * p.k_elems + col : p.gather_src;
-    ptx::cp_async_16_zfill(base + rr * 128 + ((c ^ (rr & 7)) << 4), src, ok ? 16u : 0u);
+    const uint32_t dst = base + rr * 128 + ((c ^ (rr & 7)) << 4);
+    if (p.gather_l2_256)
+      ptx::cp_async_16_zfill_l2_256(dst, src, ok ? 16u : 0u);
+    else
+      ptx::cp_async_16_zfill(dst, src, ok ? 16u : 0u);
   }
 }
 
@@ -302,7 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                   p.out2);
         continue;
       }
-      tile::mma_k_loop(acc, smem, full_bar, it, p.k_blocks, cw, release, &wp, probe_on, tile::RingParity{}, kGather);
+      tile::mma_k_loop(acc, smem, full_bar, it, p.k_blocks, cw, release, &wp, probe_on, tile::RingParity{}, kGather && p.gather_fence != 0);
 #if MOK_GEMM_WAIT_PROBE
       wp.v[7] += 1;
 #endif
@@ -473,6 +479,16 @@ bool gemm_fused_gather() {
   return v;
 }
 
+// The gather's cp.async carry the L2::256B prefetch hint unless
+// MOK_CUDA_GATHER_L2_256=0 (measurement).
+bool gemm_gather_l2_256() {
+  static const bool v = [] {
+    const char* e = std::getenv("MOK_CUDA_GATHER_L2_256");
+    return !(e != nullptr && std::atoi(e) == 0);
+  }();
+  return v;
+}
+
 // Rasterisation band of every persistent GEMM loop (tile::raster): 8 unless
 // MOK_CUDA_GEMM_GROUP_M overrides it (1 = plain m-major order), for measurement.
 int gemm_group_m() {
@@ -538,6 +554,11 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   p.gather_div = static_cast<int>(a.gather_div);
   p.k_elems = static_cast<int>(a.k);
   p.gather_src = static_cast<const __nv_bfloat16*>(a.a);
+  p.gather_l2_256 = gemm_gather_l2_256() ? 1 : 0;
+  {
+    const char* e = std::getenv("MOK_CUDA_GATHER_FENCE");
+    p.gather_fence = (e != nullptr && std::atoi(e) == 0) ? 0 : 1;
+  }
 
   // Output maps for the TMA-store epilogue: boxes of 64 columns x 16 rows (one
   // consumer warp's chunk). Not for per-row destinations (row_dst).

@@ -97,6 +97,7 @@ int gemm_tma_store();
 // (the dispatch copy, then TMA loads of the copy: an A/B in one binary, and
 // the ping-pong gate/up, which loads A by TMA only). Read once.
 bool gemm_fused_gather();
+bool gemm_gather_l2_256();
 
 // launch_grouped_gemm runs on ping-pong consumers (gemm_wgmma_pingpong.cu:
 // 2-CTA clusters, each consumer warpgroup owns whole 64 x 256 halves of the
