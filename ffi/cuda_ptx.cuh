@@ -87,24 +87,6 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
-// 16 bytes global -> shared through L2 only (.cg); the bytes past src_bytes
-// (0 or 16) are zero-filled, so src_bytes = 0 writes 16 zero bytes and reads
-// nothing (src must still be a valid address).
-__device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_dst), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-// The same, with a hint to fetch the 256-byte L2 block around src (as TMA
-// maps with CU_TENSOR_MAP_L2_PROMOTION_L2_256B do).
-__device__ __forceinline__ void cp_async_16_zfill_l2_256(uint32_t smem_dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(smem_dst), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-// One arrive on `bar` once every cp.async this thread issued so far has
-// landed; .noinc: the barrier's expected count includes this arrive.
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void bulk_wait_group_read() {

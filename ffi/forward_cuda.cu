@@ -5,8 +5,7 @@
 //   hist         int32[slots * E]   slots = 8 * ceil(T*K / 4096)
 //   counts       int32[E]
 //   tile_expert  int32[R / 128]
-//   staged:      xg / out  bf16[R, H]   the down output (and before it the gathered
-//                                       x rows, when MOK_CUDA_FUSED_GATHER=0)
+//   staged:      xg / out  bf16[R, H]   gathered x rows; reused for the down output
 //   persistent:  ring      bf16[ring_rows, H]   the ring token buffer
 //                out       bf16[R, H]           down output (read by the combine)
 //                counters  int32[8 + 2 * ceil(R / minibatch_rows)]
@@ -189,21 +188,14 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
     return nullptr;
   }
 
-  // 3. dispatch: by default none, the gate/up GEMM gathers x's rows itself
-  const bool gather = gemm_fused_gather();
-  if (!gather)
-    if (const char* e = detail::launch_dispatch(p, a.x, a.row_pair, a.pair_row, a.expert_offsets, xg, sms, stream))
-      return e;
+  // 3. dispatch
+  if (const char* e = detail::launch_dispatch(p, a.x, a.row_pair, a.pair_row, a.expert_offsets, xg, sms, stream)) return e;
   if (!mark(2)) return "mok cuda forward: event record failed";
 
   // 4. gate/up + SwiGLU
   {
     GroupedGemmArgs g;
-    g.a = gather ? a.x : xg;
-    if (gather) {
-      g.gather_pair = a.row_pair;
-      g.gather_div = p.top_k;
-    }
+    g.a = xg;
     g.m_rows = R;
     g.k = p.hidden;
     g.b0 = a.w_gate;

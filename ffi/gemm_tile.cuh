@@ -189,14 +189,11 @@ struct OwnedParity {
 // probe, probe_on (MOK_GEMM_WAIT_PROBE builds only, else unused): the
 // thread's sums, and whether this thread keeps them (a flag beside an always
 // valid pointer: a pointer that is null on the other threads put the sums on
-// the stack). parity: see RingParity / OwnedParity. proxy_fence: the A
-// half of each stage was written by cp.async (the generic proxy: the gathered
-// rows of gemm_wgmma.cu), so each thread orders those writes, which the full
-// barrier made visible to it, before wgmma reads them through the async proxy.
+// the stack). parity: see RingParity / OwnedParity.
 template <typename Release, typename Parity = RingParity>
 __device__ __forceinline__ void mma_k_loop(float (&acc)[128], uint8_t* smem, uint64_t* full_bar, uint32_t& it,
                                            int k_blocks, int cw, Release&& release, WaitProbe* probe = nullptr,
-                                           bool probe_on = false, Parity parity = {}, bool proxy_fence = false) {
+                                           bool probe_on = false, Parity parity = {}) {
   (void)probe;
   (void)probe_on;
   uint32_t prev_s = 0;
@@ -219,7 +216,6 @@ __device__ __forceinline__ void mma_k_loop(float (&acc)[128], uint8_t* smem, uin
 #else
     ptx::mbar_wait(&full_bar[s], par);
 #endif
-    if (proxy_fence) ptx::fence_proxy_async_shared();
     const uint32_t a_base = ptx::smem_u32(smem + s * kStageBytes) + cw * (64 * 128);
     const uint32_t b_base = ptx::smem_u32(smem + s * kStageBytes + kABytes);
     ptx::wgmma_fence();

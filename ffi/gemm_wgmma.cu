@@ -99,45 +99,7 @@ struct KParams {
 #if MOK_GEMM_TMA_STORE
   int tma_store;  // epilogue through TMA stores (tm_out*; not with row_dst)
 #endif
-  // kGather: A's row r is row gather_pair[r] / gather_div of gather_src
-  // ([*, k_elems] bf16), zeros where gather_pair[r] < 0 (see launch_grouped_gemm).
-  const int32_t* gather_pair;
-  int gather_div;
-  int k_elems;
-  const __nv_bfloat16* gather_src;
-  int gather_l2_256;  // the cp.async L2::256B prefetch hint (gemm_gather_l2_256)
-  int gather_fence;   // measurement only: 0 drops the consumers' proxy fence (MOK_CUDA_GATHER_FENCE=0)
 };
-
-// kGather's A stage: 128 rows x 64 columns (128 bytes per row, 16-byte chunk c
-// of row r at chunk c ^ (r % 8): the layout TMA's 128-byte swizzle writes),
-// loaded by the 4 producer warps with one 16-byte cp.async per (row, chunk);
-// warp w takes rows [32 w, 32 w + 32). Lane l copies chunk l % 8 of rows
-// 32 w + 4 j + l / 8 (j = 0..7), so each instruction reads 4 whole 128-byte
-// row segments (4 L1 wavefronts, not the 32 of one row per lane); a row's
-// token comes from the lane that holds it (`tok` of lane l: row 32 w + l).
-// Columns past k and rows without a token are zero-filled, as TMA fills them
-// out of bounds. One warp alone gathered at ~210 TF/s of gate/up at every
-// benchmark shape (H100): the loads of one warp (one SM sub-partition's LSU)
-// could not feed the tensor cores.
-__device__ __forceinline__ void gather_load_a(uint8_t* sa, int tok, int warp, int lane, int kb, const KParams& p) {
-  const uint32_t base = ptx::smem_u32(sa) + warp * (32 * 128);
-  const int c = lane & 7, q = lane >> 3;
-  const int col = kb * kBK + c * 8;
-  const bool col_ok = col < p.k_elems;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int rr = 4 * j + q;  // row within the warp's 32, and the lane holding its token
-    const int t = __shfl_sync(0xffffffffu, tok, rr);
-    const bool ok = col_ok && t >= 0;
-    const __nv_bfloat16* src = ok ? p.gather_src + static_cast<size_t>(t) * p.k_elems + col : p.gather_src;
-    const uint32_t dst = base + rr * 128 + ((c ^ (rr & 7)) << 4);
-    if (p.gather_l2_256)
-      ptx::cp_async_16_zfill_l2_256(dst, src, ok ? 16u : 0u);
-    else
-      ptx::cp_async_16_zfill(dst, src, ok ? 16u : 0u);
-  }
-}
 
 #if MOK_GEMM_WAIT_PROBE
 // tile::WaitProbe sums of every probed consumer warpgroup: [0] gate/up, [1] plain.
@@ -154,13 +116,7 @@ __device__ unsigned long long g_wait_probe[2][8];
 // The empty barrier of each stage then counts the consumer warps of both CTAs.
 // kKeepPre = false (kFused only): the activation is the only output (out0 and
 // out1, the gate/up pre-activations, are not written).
-// kGather: the producer warpgroup's 4 warps gather A's rows with cp.async
-// (gather_load_a) instead of one TMA load, so the routed rows are read
-// straight from x and no dispatch copy runs first; B still comes by TMA. Each
-// stage's full barrier then counts 1 + 128 arrivals (the expect_tx and one
-// cp.async arrive per producer thread) and the consumers fence the proxies
-// before wgmma.
-template <bool kFused, int kCluster, bool kKeepPre, bool kGather = false>
+template <bool kFused, int kCluster, bool kKeepPre>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b0,
                         const __grid_constant__ CUtensorMap tm_b1,
@@ -178,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t crank = kCluster > 1 ? ptx::cluster_ctarank() : 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(&full_bar[s], kGather ? 1 + 128 : 1);
+      ptx::mbar_init(&full_bar[s], 1);
       ptx::mbar_init(&empty_bar[s], kConsumerWarps * kCluster);
     }
     ptx::fence_barrier_init();
@@ -201,15 +157,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     // ------------------------------------------------------------ producer
     ptx::setmaxnreg_dec<40>();
-    // Thread 0 issues the TMA loads: B, and A unless kGather; with kGather
-    // all 4 warps run the same loop and gather A's rows (gather_load_a).
-    const int pwarp = threadIdx.x / 32, plane = threadIdx.x & 31;
-    if (kGather || threadIdx.x == 0) {
-      if (threadIdx.x == 0) {
-        if (!kGather) ptx::tma_prefetch_desc(&tm_a);
-        ptx::tma_prefetch_desc(&tm_b0);
-        if (kFused) ptx::tma_prefetch_desc(&tm_b1);
-      }
+    if (threadIdx.x == 0) {
+      ptx::tma_prefetch_desc(&tm_a);
+      ptx::tma_prefetch_desc(&tm_b0);
+      if (kFused) ptx::tma_prefetch_desc(&tm_b1);
       uint32_t it = 0;
       for (int u = cid; u < num_units; u += ncl) {
         const tile::TileCoord c = tile::raster(u, m_units, p.n_tiles, p.group_m);
@@ -221,48 +172,30 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int grp = g_self >= 0 ? g_self : g_peer;
         const int grp_peer = g_peer >= 0 ? g_peer : g_self;
         const bool mcast = kCluster > 1 && grp == grp_peer;
-        // kGather: the source token of row 32 pwarp + plane of this CTA's tile
-        // (-1: zeros: padding, or a tile computed only to keep the pair in step).
-        int tok = -1;
-        if (kGather) {
-          const int row = mt * kBM + 32 * pwarp + plane;
-          const int32_t pair = g_self >= 0 && row < p.m_rows ? __ldg(p.gather_pair + row) : -1;
-          tok = pair >= 0 ? pair / p.gather_div : -1;
-        }
         for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
           const uint32_t s = it % kStages;
           const uint32_t par = (it / kStages) & 1;
           ptx::mbar_wait(&empty_bar[s], par ^ 1);
           uint8_t* sa = smem + s * kStageBytes;
           uint8_t* sb = sa + kABytes;
-          if (threadIdx.x == 0) {
-            if (kGather) {
-              ptx::mbar_arrive_expect_tx(&full_bar[s], tile::kBBytes);
-            } else {
-              ptx::mbar_arrive_expect_tx(&full_bar[s], kStageBytes);
-              ptx::tma_load_2d(sa, &tm_a, kb * kBK, mt * kBM, &full_bar[s]);
-            }
-            // B chunk j (8 KB): 64 N columns x 64 K rows.
-            auto load_b = [&](int j, bool multicast) {
-              const CUtensorMap* map = (kFused && j >= 2) ? &tm_b1 : &tm_b0;
-              const int ncol = kFused ? nt * 128 + (j & 1) * 64 : nt * 256 + j * 64;
-              if (multicast)
-                ptx::tma_load_3d_multicast(sb + j * kBChunk, map, ncol, kb * kBK, grp, &full_bar[s],
-                                           static_cast<uint16_t>((1u << kCluster) - 1));
-              else
-                ptx::tma_load_3d(sb + j * kBChunk, map, ncol, kb * kBK, grp, &full_bar[s]);
-            };
-            if (mcast) {
-              load_b(2 * crank, true);
-              load_b(2 * crank + 1, true);
-            } else {
+          ptx::mbar_arrive_expect_tx(&full_bar[s], kStageBytes);
+          ptx::tma_load_2d(sa, &tm_a, kb * kBK, mt * kBM, &full_bar[s]);
+          // B chunk j (8 KB): 64 N columns x 64 K rows.
+          auto load_b = [&](int j, bool multicast) {
+            const CUtensorMap* map = (kFused && j >= 2) ? &tm_b1 : &tm_b0;
+            const int ncol = kFused ? nt * 128 + (j & 1) * 64 : nt * 256 + j * 64;
+            if (multicast)
+              ptx::tma_load_3d_multicast(sb + j * kBChunk, map, ncol, kb * kBK, grp, &full_bar[s],
+                                         static_cast<uint16_t>((1u << kCluster) - 1));
+            else
+              ptx::tma_load_3d(sb + j * kBChunk, map, ncol, kb * kBK, grp, &full_bar[s]);
+          };
+          if (mcast) {
+            load_b(2 * crank, true);
+            load_b(2 * crank + 1, true);
+          } else {
 #pragma unroll
-              for (int j = 0; j < 4; ++j) load_b(j, false);
-            }
-          }
-          if (kGather) {
-            gather_load_a(sa, tok, pwarp, plane, kb, p);
-            ptx::cp_async_mbar_arrive_noinc(&full_bar[s]);
+            for (int j = 0; j < 4; ++j) load_b(j, false);
           }
         }
       }
@@ -308,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                   p.out2);
         continue;
       }
-      tile::mma_k_loop(acc, smem, full_bar, it, p.k_blocks, cw, release, &wp, probe_on, tile::RingParity{}, kGather && p.gather_fence != 0);
+      tile::mma_k_loop(acc, smem, full_bar, it, p.k_blocks, cw, release, &wp, probe_on);
 #if MOK_GEMM_WAIT_PROBE
       wp.v[7] += 1;
 #endif
@@ -373,11 +306,11 @@ int gemm_cluster_size() {
 
 // Persistent grid: as many clusters as can be resident at once, queried once per
 // kernel variant (assumes one device type per process); 0 when the query fails.
-template <bool kFused, int kCluster, bool kKeepPre = true, bool kGather = false>
+template <bool kFused, int kCluster, bool kKeepPre = true>
 int resident_clusters(int num_sms) {
   static std::atomic<int> cached{-1};
   if (cached.load() < 0) {
-    auto* kern = grouped_gemm_kernel<kFused, kCluster, kKeepPre, kGather>;
+    auto* kern = grouped_gemm_kernel<kFused, kCluster, kKeepPre>;
     int n = 0;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
@@ -406,10 +339,10 @@ int resident_clusters(int num_sms) {
   return cached.load();
 }
 
-template <bool kFused, int kCluster, bool kKeepPre, bool kGather>
+template <bool kFused, int kCluster, bool kKeepPre>
 const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, const CUtensorMap& tm_b1,
                           const CUtensorMap (&tm_out)[3], const KParams& p, int num_sms, cudaStream_t stream) {
-  auto* kern = grouped_gemm_kernel<kFused, kCluster, kKeepPre, kGather>;
+  auto* kern = grouped_gemm_kernel<kFused, kCluster, kKeepPre>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kKernelSmemBytes) != cudaSuccess)
     return "mok cuda gemm: cudaFuncSetAttribute failed";
   cudaLaunchConfig_t cfg = {};
@@ -423,7 +356,7 @@ const char* launch_kernel(const CUtensorMap& tm_a, const CUtensorMap& tm_b0, con
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = kCluster > 1 ? 1 : 0;
-  int max_clusters = resident_clusters<kFused, kCluster, kKeepPre, kGather>(num_sms);
+  int max_clusters = resident_clusters<kFused, kCluster, kKeepPre>(num_sms);
   if (max_clusters <= 0) max_clusters = std::max(1, num_sms / kCluster);
   const int64_t units = int64_t((p.m_tiles + kCluster - 1) / kCluster) * p.n_tiles;
   if (units <= 0) return nullptr;
@@ -471,24 +404,6 @@ int gemm_tma_store() {
   return v;
 }
 
-bool gemm_fused_gather() {
-  static const bool v = [] {
-    const char* e = std::getenv("MOK_CUDA_FUSED_GATHER");
-    return !(e != nullptr && std::atoi(e) == 0);
-  }();
-  return v;
-}
-
-// The gather's cp.async carry the L2::256B prefetch hint unless
-// MOK_CUDA_GATHER_L2_256=0 (measurement).
-bool gemm_gather_l2_256() {
-  static const bool v = [] {
-    const char* e = std::getenv("MOK_CUDA_GATHER_L2_256");
-    return !(e != nullptr && std::atoi(e) == 0);
-  }();
-  return v;
-}
-
 // Rasterisation band of every persistent GEMM loop (tile::raster): 8 unless
 // MOK_CUDA_GEMM_GROUP_M overrides it (1 = plain m-major order), for measurement.
 int gemm_group_m() {
@@ -513,20 +428,14 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
     return "mok cuda gemm: the gate/up epilogue needs out2, and out0 and out1 both or neither";
   if (a.row_dst != nullptr && (fused || a.zero_unused_tiles))
     return "mok cuda gemm: row_dst needs the plain epilogue without zero_unused_tiles";
-  const bool gather = a.gather_pair != nullptr;
-  if (gather && (!fused || a.gather_div <= 0 || a.gather_div > (int64_t(1) << 30) || a.k > (int64_t(1) << 30)))
-    return "mok cuda gemm: the row gather needs the gate/up epilogue and 0 < gather_div, k <= 2^30";
   if (!aligned16(a.a) || !aligned16(a.b0) || (a.row_dst == nullptr && !aligned16(a.out0)) ||
       (fused && (!aligned16(a.b1) || !aligned16(a.out1) || !aligned16(a.out2))))
     return "mok cuda gemm: pointers must be 16-byte aligned";
   if (get_encoder() == nullptr) return "mok cuda gemm: cuTensorMapEncodeTiled unavailable";
 
   CUtensorMap tm_a, tm_b0, tm_b1;
+  if (!make_map_a(&tm_a, a.a, a.m_rows, a.k)) return "mok cuda gemm: tensor map (A) encode failed";
   if (!make_map_b(&tm_b0, a.b0, a.groups, a.k, a.n)) return "mok cuda gemm: tensor map (B0) encode failed";
-  if (gather)
-    tm_a = tm_b0;  // unused: the producer gathers A's rows itself
-  else if (!make_map_a(&tm_a, a.a, a.m_rows, a.k))
-    return "mok cuda gemm: tensor map (A) encode failed";
   if (fused) {
     if (!make_map_b(&tm_b1, a.b1, a.groups, a.k, a.n)) return "mok cuda gemm: tensor map (B1) encode failed";
   } else {
@@ -550,15 +459,6 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   p.out2 = static_cast<__nv_bfloat16*>(a.out2);
   p.row_dst = a.row_dst;
   p.zero_unused = a.zero_unused_tiles ? 1 : 0;
-  p.gather_pair = a.gather_pair;
-  p.gather_div = static_cast<int>(a.gather_div);
-  p.k_elems = static_cast<int>(a.k);
-  p.gather_src = static_cast<const __nv_bfloat16*>(a.a);
-  p.gather_l2_256 = gemm_gather_l2_256() ? 1 : 0;
-  {
-    const char* e = std::getenv("MOK_CUDA_GATHER_FENCE");
-    p.gather_fence = (e != nullptr && std::atoi(e) == 0) ? 0 : 1;
-  }
 
   // Output maps for the TMA-store epilogue: boxes of 64 columns x 16 rows (one
   // consumer warp's chunk). Not for per-row destinations (row_dst).
@@ -580,7 +480,7 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   }
 
 #if MOK_GEMM_TMA_STORE
-  if (tma_store && !gather && gemm_pingpong(fused, keep_pre, p.k_blocks)) {
+  if (tma_store && gemm_pingpong(fused, keep_pre, p.k_blocks)) {
     CUtensorMap tm_a64;
     if (!make_map_2d(&tm_a64, a.a, a.m_rows, a.k, kBK, kBM / 2)) return "mok cuda gemm: tensor map (A) encode failed";
     const PingpongGemm g{&tm_a64,
@@ -596,15 +496,14 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
 #endif
   const int cluster = gemm_cluster_size();
   p.group_m = std::max(1, gemm_group_m() / cluster);
-  auto go = [&](auto fused_c, auto keep_c, auto gather_c) {
-    constexpr bool kF = decltype(fused_c)::value, kK = decltype(keep_c)::value, kG = decltype(gather_c)::value;
-    return cluster == 2 ? launch_kernel<kF, 2, kK, kG>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream)
-                        : launch_kernel<kF, 1, kK, kG>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
+  auto go = [&](auto fused_c, auto keep_c) {
+    constexpr bool kF = decltype(fused_c)::value, kK = decltype(keep_c)::value;
+    return cluster == 2 ? launch_kernel<kF, 2, kK>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream)
+                        : launch_kernel<kF, 1, kK>(tm_a, tm_b0, tm_b1, tm_out, p, num_sms, stream);
   };
   using std::false_type, std::true_type;
-  if (!fused) return go(false_type{}, true_type{}, false_type{});
-  if (gather) return keep_pre ? go(true_type{}, true_type{}, true_type{}) : go(true_type{}, false_type{}, true_type{});
-  return keep_pre ? go(true_type{}, true_type{}, false_type{}) : go(true_type{}, false_type{}, false_type{});
+  if (!fused) return go(false_type{}, true_type{});
+  return keep_pre ? go(true_type{}, true_type{}) : go(true_type{}, false_type{});
 }
 
 }  // namespace mok::cuda

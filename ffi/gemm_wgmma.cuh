@@ -53,13 +53,6 @@ struct GroupedGemmArgs {
   // kStore only, optional: [m_rows] address of each output row (0 = not
   // stored) instead of out0 + row * n (out0 unused). Not with zero_unused_tiles.
   const uint64_t* row_dst = nullptr;
-  // kGateUpSwiGLU only, optional: gather A's rows on the fly instead of
-  // reading a gathered copy. Row r of A is then row gather_pair[r] / gather_div
-  // of `a` (x: [*, k], any row count), zeros where gather_pair[r] < 0 (padding).
-  // Only rows of used tiles are read. The forward passes row_pair and top_k,
-  // so no dispatch kernel runs before the gate/up GEMM.
-  const int32_t* gather_pair = nullptr;
-  int64_t gather_div = 1;
 };
 
 // Requirements: k % 8 == 0, n % 8 == 0, all pointers 16-byte aligned, k, n > 0.
@@ -92,17 +85,11 @@ int gemm_group_m();
 // epilogues can also be picked one by one, MOK_CUDA_BWD_TMA_STORE in
 // gemm_wgmma_bwd.cu).
 int gemm_tma_store();
-// The staged forward's gate/up GEMM gathers its rows from x (GroupedGemmArgs::
-// gather_pair) and no dispatch kernel runs, unless MOK_CUDA_FUSED_GATHER=0
-// (the dispatch copy, then TMA loads of the copy: an A/B in one binary, and
-// the ping-pong gate/up, which loads A by TMA only). Read once.
-bool gemm_fused_gather();
-bool gemm_gather_l2_256();
 
 // launch_grouped_gemm runs on ping-pong consumers (gemm_wgmma_pingpong.cu:
 // 2-CTA clusters, each consumer warpgroup owns whole 64 x 256 halves of the
 // 128 x 256 units in turn; bitwise the same outputs) when its epilogue stores
-// through TMA without per-row destinations or a row gather (gather_pair) and gemm_pingpong(fused, keep_pre,
+// through TMA without per-row destinations and gemm_pingpong(fused, keep_pre,
 // k_blocks) says so: MOK_CUDA_GEMM_PINGPONG=1 always, =0 never, unset only the
 // fused gate/up GEMM that keeps its pre-activations (training: three outputs)
 // with k_blocks <= kPingpongMaxKBlocks. The activation-only gate/up (one
