@@ -488,7 +488,7 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
                          &tm_b1,
                          {&tm_out[0], &tm_out[1], &tm_out[2]},
                          {p.m_rows, p.n, p.k_blocks, p.n_tiles, p.m_tiles, gemm_group_m(), p.tile_group, p.row_mask,
-                          a.out0, a.out1, a.out2, p.zero_unused},
+                          p.out0, p.out1, p.out2, p.zero_unused},
                          fused,
                          keep_pre};
     return launch_grouped_gemm_pingpong(g, num_sms, stream);

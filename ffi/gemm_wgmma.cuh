@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <cuda.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
@@ -93,7 +94,7 @@ int gemm_tma_store();
 // k_blocks) says so: MOK_CUDA_GEMM_PINGPONG=1 always, =0 never, unset only the
 // fused gate/up GEMM that keeps its pre-activations (training: three outputs)
 // with k_blocks <= kPingpongMaxKBlocks. The activation-only gate/up (one
-// output) measured 3 % slower through JAX at shape 1 (H100, one run, not
+// output) measured 9 % slower on ping-pong (H100, staged harness, shape 1,
 // alternated), so it stays on the cooperative kernel. Measured (H200, staged
 // harness, RESULTS.md nineteenth session): the fused gate/up at H = 2048 (32 k
 // blocks) 12 % faster, at H = 4096 / 7168 5 % / 20 % slower, the plain down
@@ -108,9 +109,9 @@ struct PingpongParams {  // the ping-pong kernel's scalars, passed to it as they
   int m_rows, n, k_blocks, n_tiles, m_tiles, group_m;
   const int32_t* tile_group;
   const uint8_t* row_mask;
-  void* out0;  // bf16, as GroupedGemmArgs
-  void* out1;
-  void* out2;
+  __nv_bfloat16* out0;
+  __nv_bfloat16* out1;
+  __nv_bfloat16* out2;
   int zero_unused;
 };
 struct PingpongGemm {

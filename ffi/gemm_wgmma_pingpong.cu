@@ -48,7 +48,6 @@ constexpr int kSmemBytes = tile::kStagedGemmSmemBytes;
 using pingpong::kHalfRows;
 constexpr uint32_t kStageTx = kHalfRows * kBK * 2 + tile::kBBytes;  // 8 KB A + 32 KB B per CTA
 
-
 template <bool kFused, bool kKeepPre>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_pingpong_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b0,
@@ -122,10 +121,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int row0 = wrow0 + (lane >> 2);
       if (group_of(c.mt) < 0) {  // no loads, no math; zeros from warpgroup 0 when asked
         if (p.zero_unused && cw == 0)
-          tile::zero_warp_rows<kFused, kKeepPre>(row0, lane, c.nt * (kFused ? 128 : 256), p.m_rows, p.n,
-                                                  static_cast<__nv_bfloat16*>(p.out0),
-                                                  static_cast<__nv_bfloat16*>(p.out1),
-                                                  static_cast<__nv_bfloat16*>(p.out2));
+          tile::zero_warp_rows<kFused, kKeepPre>(row0, lane, c.nt * (kFused ? 128 : 256), p.m_rows, p.n, p.out0,
+                                                  p.out1, p.out2);
         continue;
       }
       const uint32_t nlive = live++;
