@@ -120,6 +120,14 @@ bool token_major_dispatch() {
 
 }  // namespace
 
+bool fused_dispatch_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("MOK_CUDA_FUSED_DISPATCH");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
+  return on;
+}
+
 const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row_pair, const int32_t* pair_row,
                             const int32_t* expert_offsets, void* xg, int num_sms, cudaStream_t stream) {
   const int64_t R = pr.row_capacity();

@@ -59,6 +59,10 @@ const char* launch_schedule(const Problem& pr, const int32_t* topk_ids, const ui
 // schedule: row_pair (rows -> pairs), pair_row (pairs -> rows), expert_offsets.
 const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row_pair, const int32_t* pair_row,
                             const int32_t* expert_offsets, void* xg, int num_sms, cudaStream_t stream);
+// The staged forward copies the rows inside its gate/up GEMM (dispatch_fused.cuh)
+// instead of launch_dispatch when MOK_CUDA_FUSED_DISPATCH=1 (read once; a
+// measurement knob, off by default).
+bool fused_dispatch_enabled();
 // The shared expert (no-op when Fs == 0): gate/up + SwiGLU and down GEMMs over all T tokens
 // (shared_out nullptr: the pre-activations only, for a backward that recomputes them).
 const char* launch_shared_expert(const Problem& p, const void* x, const uint8_t* token_mask, const void* ws_gate,

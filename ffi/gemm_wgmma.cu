@@ -13,6 +13,7 @@
 
 #include "cuda_problem.h"
 #include "cuda_ptx.cuh"
+#include "dispatch_fused.cuh"
 #include "gemm_tile.cuh"
 
 namespace mok::cuda {
@@ -99,6 +100,7 @@ struct KParams {
 #if MOK_GEMM_TMA_STORE
   int tma_store;  // epilogue through TMA stores (tm_out*; not with row_dst)
 #endif
+  FusedDispatchParams fd;  // fd.x != nullptr: A's rows are copied in this kernel
 };
 
 #if MOK_GEMM_WAIT_PROBE
@@ -157,7 +159,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     // ------------------------------------------------------------ producer
     ptx::setmaxnreg_dec<40>();
-    if (threadIdx.x == 0) {
+    if (kFused && p.fd.x != nullptr && threadIdx.x >= 32) {
+      // Warps 1-3: the fused dispatch (dispatch_fused.cuh).
+      fused_dispatch::copy_role(p.fd, threadIdx.x & 31);
+    } else if (threadIdx.x == 0) {
       ptx::tma_prefetch_desc(&tm_a);
       ptx::tma_prefetch_desc(&tm_b0);
       if (kFused) ptx::tma_prefetch_desc(&tm_b1);
@@ -172,6 +177,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int grp = g_self >= 0 ? g_self : g_peer;
         const int grp_peer = g_peer >= 0 ? g_peer : g_self;
         const bool mcast = kCluster > 1 && grp == grp_peer;
+        // A used tile's rows are copied by this kernel: wait for them (while
+        // the ring is still full of the previous tile's stages).
+        if (kFused && p.fd.x != nullptr && g_self >= 0) fused_dispatch::wait_tile(p.fd, mt);
         for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
           const uint32_t s = it % kStages;
           const uint32_t par = (it / kStages) & 1;
@@ -431,6 +439,11 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   if (!aligned16(a.a) || !aligned16(a.b0) || (a.row_dst == nullptr && !aligned16(a.out0)) ||
       (fused && (!aligned16(a.b1) || !aligned16(a.out1) || !aligned16(a.out2))))
     return "mok cuda gemm: pointers must be 16-byte aligned";
+  const bool fuse_dispatch = a.dispatch_x != nullptr;
+  if (fuse_dispatch && (!fused || a.dispatch_row_pair == nullptr || a.dispatch_total_rows == nullptr ||
+                        a.dispatch_sync == nullptr || a.dispatch_flags == nullptr || a.dispatch_top_k < 1 ||
+                        !aligned16(a.dispatch_x)))
+    return "mok cuda gemm: the fused dispatch needs the gate/up epilogue, its row map, counters and aligned x";
   if (get_encoder() == nullptr) return "mok cuda gemm: cuTensorMapEncodeTiled unavailable";
 
   CUtensorMap tm_a, tm_b0, tm_b1;
@@ -459,6 +472,10 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   p.out2 = static_cast<__nv_bfloat16*>(a.out2);
   p.row_dst = a.row_dst;
   p.zero_unused = a.zero_unused_tiles ? 1 : 0;
+  // The fused dispatch writes A, which the GEMM otherwise only reads.
+  p.fd = FusedDispatchParams{static_cast<const uint4*>(a.dispatch_x), a.dispatch_row_pair, a.dispatch_total_rows,
+                             a.dispatch_sync, a.dispatch_flags, a.dispatch_top_k, static_cast<int>(a.k / 8),
+                             static_cast<uint4*>(const_cast<void*>(a.a))};
 
   // Output maps for the TMA-store epilogue: boxes of 64 columns x 16 rows (one
   // consumer warp's chunk). Not for per-row destinations (row_dst).
@@ -488,7 +505,7 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
                          &tm_b1,
                          {&tm_out[0], &tm_out[1], &tm_out[2]},
                          {p.m_rows, p.n, p.k_blocks, p.n_tiles, p.m_tiles, gemm_group_m(), p.tile_group, p.row_mask,
-                          p.out0, p.out1, p.out2, p.zero_unused},
+                          p.out0, p.out1, p.out2, p.zero_unused, p.fd},
                          fused,
                          keep_pre};
     return launch_grouped_gemm_pingpong(g, num_sms, stream);

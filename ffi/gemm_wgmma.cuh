@@ -54,6 +54,17 @@ struct GroupedGemmArgs {
   // kStore only, optional: [m_rows] address of each output row (0 = not
   // stored) instead of out0 + row * n (out0 unused). Not with zero_unused_tiles.
   const uint64_t* row_dst = nullptr;
+  // kGateUpSwiGLU only, optional (dispatch_fused.cuh): the kernel writes A
+  // itself, a[r] = dispatch_x[dispatch_row_pair[r] / dispatch_top_k] (zeros
+  // where the pair is < 0) for r < *dispatch_total_rows, before its TMA loads
+  // read them; dispatch_sync (int32[1 + ceil(m_rows / 128)]) must be zero at
+  // launch.
+  const void* dispatch_x = nullptr;  // [T, k]
+  const int32_t* dispatch_row_pair = nullptr;
+  const int32_t* dispatch_total_rows = nullptr;
+  int32_t* dispatch_sync = nullptr;
+  int32_t* dispatch_flags = nullptr;  // bit 1 set (then a trap) if a wait times out
+  int dispatch_top_k = 1;
 };
 
 // Requirements: k % 8 == 0, n % 8 == 0, all pointers 16-byte aligned, k, n > 0.
@@ -105,6 +116,19 @@ int gemm_tma_store();
 // launch_grouped_gemm's encoded maps (A with a 64-row box) and tile counts.
 constexpr int kPingpongMaxKBlocks = 32;
 bool gemm_pingpong(bool fused, bool keep_pre, int k_blocks);
+// The dispatch fused into the gate/up kernels (dispatch_fused.cuh), as the
+// kernels get it; x == nullptr: off (launch_grouped_gemm fills it from
+// GroupedGemmArgs' dispatch_* fields).
+struct FusedDispatchParams {
+  const uint4* x;             // [T, H] token rows
+  const int32_t* row_pair;    // [R] pair t * K + k of each row, < 0 padding
+  const int32_t* total_rows;  // device: rows in use (a multiple of 128)
+  int32_t* sync;              // [1 + m_tiles], zero at launch
+  int32_t* flags;             // a wait that times out sets bit 1 and traps
+  int top_k;
+  int vec;                    // H / 8
+  uint4* dst;                 // A: the rows the TMA loads read
+};
 struct PingpongParams {  // the ping-pong kernel's scalars, passed to it as they are
   int m_rows, n, k_blocks, n_tiles, m_tiles, group_m;
   const int32_t* tile_group;
@@ -113,6 +137,7 @@ struct PingpongParams {  // the ping-pong kernel's scalars, passed to it as they
   __nv_bfloat16* out1;
   __nv_bfloat16* out2;
   int zero_unused;
+  FusedDispatchParams fd;
 };
 struct PingpongGemm {
   const CUtensorMap* a64;

@@ -20,6 +20,7 @@
 #include <cstdlib>
 
 #include "cuda_ptx.cuh"
+#include "dispatch_fused.cuh"
 #include "gemm_tile.cuh"
 #include "gemm_wgmma.cuh"
 #include "pingpong_ring.cuh"
@@ -69,7 +70,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     // ------------------------------------------------------------ producer
     ptx::setmaxnreg_dec<40>();
-    if (threadIdx.x == 0) {
+    if (kFused && p.fd.x != nullptr && threadIdx.x >= 32) {
+      fused_dispatch::copy_role(p.fd, threadIdx.x & 31);  // warps 1-3: the fused dispatch
+    } else if (threadIdx.x == 0) {
       ptx::tma_prefetch_desc(&tm_a);
       ptx::tma_prefetch_desc(&tm_b0);
       if (kFused) ptx::tma_prefetch_desc(&tm_b1);
@@ -79,6 +82,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int grp = group_of(c.mt);
         if (grp < 0) continue;  // the same decision in both CTAs: they stay in lock-step
         uint64_t* full = full_bar + (live++ & 1) * kStages;  // the owning warpgroup's barriers
+        if (kFused && p.fd.x != nullptr) fused_dispatch::wait_tile(p.fd, c.mt);  // rows this kernel copies
         for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
           const uint32_t s = it % kStages;
           const uint32_t par = (it / kStages) & 1;

@@ -1,0 +1,99 @@
+// The dispatch fused into the gate/up GEMM (gemm_wgmma.cu, cooperative kernel):
+// the producer warpgroup's three warps that do not issue TMA loads copy the
+// token rows into the expert-major buffer the GEMM then reads through TMA,
+//   xg[r] = x[row_pair[r] / K]  (zeros where row_pair[r] < 0),  r < *total_rows,
+// the same bytes dispatch.cu's kernels write, so the results are bitwise the
+// same. The copy runs under the GEMM instead of before it (the separate
+// kernel is ~0.5 ms of DRAM traffic at shape 1, ~10 % of the forward).
+//
+// Protocol (int32 sync[1 + m_tiles], zero at launch):
+//   sync[0]      ticket: a warp claims the next kCopyRows-row chunk, in row
+//                order, so the copy front moves through the tiles in the
+//                order the persistent loop first needs them;
+//   sync[1 + m]  chunks of 128-row tile m copied (release after the
+//                chunk's stores); the TMA thread waits for kChunksPerTile
+//                (acquire) and fences the async proxy before loading tile m.
+// A warp never waits on anything, and a claimed chunk is always finished, so
+// every wait ends as long as one CTA runs (no co-residency assumption).
+#pragma once
+
+#include <cstdint>
+
+#include "gemm_wgmma.cuh"
+#include "megakernel_sync.cuh"
+
+namespace mok::cuda::fused_dispatch {
+
+constexpr int kCopyRows = 4;                  // rows per claimed chunk
+constexpr int kChunksPerTile = 128 / kCopyRows;  // 128-row GEMM tiles
+constexpr int kVecsInFlight = 4;              // 16-byte loads per lane per batch (40-register warps)
+
+using Params = FusedDispatchParams;  // gemm_wgmma.cuh
+
+// One warp (lane = its lane) of the copy role, until no chunk is left.
+__device__ __forceinline__ void copy_role(const Params& f, int lane) {
+  uint4* __restrict__ xg = f.dst;
+  const int n_chunks = *f.total_rows / kCopyRows;
+  for (;;) {
+    int j = 0;
+    if (lane == 0) j = atomicAdd(&f.sync[0], 1);
+    j = __shfl_sync(0xffffffffu, j, 0);
+    if (j >= n_chunks) break;
+    const int r0 = j * kCopyRows;
+    // The chunk's source tokens in one load (lane i < kCopyRows: row r0 + i's
+    // token, -1 for padding), broadcast below.
+    int32_t mine = lane < kCopyRows ? __ldg(f.row_pair + r0 + lane) : -1;
+    mine = mine >= 0 ? mine / f.top_k : -1;
+    // The 40-register producer holds only kVecsInFlight loads per lane, so
+    // the chunk's source rows are first requested into L2 all at once
+    // (prefetches hold no registers); the copy below then mostly hits L2.
+#pragma unroll 1
+    for (int rr = 0; rr < kCopyRows; ++rr) {
+      const int32_t tok = __shfl_sync(0xffffffffu, mine, rr);
+      if (tok >= 0) {
+        const uint4* src = f.x + static_cast<int64_t>(tok) * f.vec;
+#pragma unroll 1
+        for (int line = lane * 8; line < f.vec; line += 32 * 8)  // 8 vectors per 128-byte line
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(src + line));
+      }
+    }
+#pragma unroll 1
+    for (int rr = 0; rr < kCopyRows; ++rr) {
+      const int32_t tok = __shfl_sync(0xffffffffu, mine, rr);
+      uint4* dst = xg + static_cast<int64_t>(r0 + rr) * f.vec + lane;
+      if (tok >= 0) {
+        // Pointer walks (few live registers): kVecsInFlight loads, then stores.
+        const uint4* src = f.x + static_cast<int64_t>(tok) * f.vec + lane;
+        const uint4* const end = src + (f.vec - lane);
+#pragma unroll 1
+        for (; src + 32 * (kVecsInFlight - 1) < end; src += 32 * kVecsInFlight, dst += 32 * kVecsInFlight) {
+          uint4 v[kVecsInFlight];
+#pragma unroll
+          for (int i = 0; i < kVecsInFlight; ++i) v[i] = __ldg(src + 32 * i);
+#pragma unroll
+          for (int i = 0; i < kVecsInFlight; ++i) dst[32 * i] = v[i];
+        }
+#pragma unroll 1
+        for (; src < end; src += 32, dst += 32) *dst = __ldg(src);
+      } else {
+#pragma unroll 1
+        for (int c = lane; c < f.vec; c += 32, dst += 32) *dst = make_uint4(0, 0, 0, 0);
+      }
+    }
+    // The warp's stores, then one release per chunk (the pattern of the
+    // megakernel's ready counters: barrier, fence, release).
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence();
+      sync::red_release_add(&f.sync[1 + r0 / 128], 1);
+    }
+  }
+}
+
+// The TMA thread, before its first load of 128-row tile m.
+__device__ __forceinline__ void wait_tile(const Params& f, int m) {
+  sync::wait_at_least(&f.sync[1 + m], kChunksPerTile, f.flags);
+  sync::fence_proxy_async_global();  // rows other warps wrote, read next by TMA
+}
+
+}  // namespace mok::cuda::fused_dispatch
