@@ -128,6 +128,15 @@ bool fused_dispatch_enabled() {
   return on;
 }
 
+int fused_dispatch_window_tiles(int64_t hidden) {
+  static const int64_t mb = [] {
+    const char* e = std::getenv("MOK_CUDA_FUSED_DISPATCH_WINDOW_MB");
+    return e != nullptr ? static_cast<int64_t>(std::max(0, std::atoi(e))) : int64_t(24);
+  }();
+  if (mb == 0) return 0;
+  return static_cast<int>(std::max<int64_t>(4, (mb << 20) / (128 * hidden * 2)));
+}
+
 const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row_pair, const int32_t* pair_row,
                             const int32_t* expert_offsets, void* xg, int num_sms, cudaStream_t stream) {
   const int64_t R = pr.row_capacity();

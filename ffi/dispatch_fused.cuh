@@ -6,15 +6,19 @@
 // same. The copy runs under the GEMM instead of before it (the separate
 // kernel is ~0.5 ms of DRAM traffic at shape 1, ~10 % of the forward).
 //
-// Protocol (int32 sync[1 + m_tiles], zero at launch):
+// Protocol (int32 sync[2 + m_tiles], zero at launch):
 //   sync[0]      ticket: a warp claims the next kCopyRows-row chunk, in row
 //                order, so the copy front moves through the tiles in the
 //                order the persistent loop first needs them;
-//   sync[1 + m]  chunks of 128-row tile m copied (release after the
+//   sync[1]      the GEMM's front: 1 + the highest tile a TMA thread started;
+//   sync[2 + m]  chunks of 128-row tile m copied (release after the
 //                chunk's stores); the TMA thread waits for kChunksPerTile
 //                (acquire) and fences the async proxy before loading tile m.
-// A warp never waits on anything, and a claimed chunk is always finished, so
-// every wait ends as long as one CTA runs (no co-residency assumption).
+// Throttle (window_tiles > 0): a warp holding a chunk of tile m waits while
+// m >= front + window_tiles, so the copied rows are still in L2 when TMA
+// reads them; the wait gives up after kThrottleNs, so it only paces the
+// copy. A claimed chunk is always finished, so every wait of a TMA thread
+// ends as long as one CTA runs (no co-residency assumption).
 #pragma once
 
 #include <cstdint>
@@ -27,6 +31,7 @@ namespace mok::cuda::fused_dispatch {
 constexpr int kCopyRows = 4;                  // rows per claimed chunk
 constexpr int kChunksPerTile = 128 / kCopyRows;  // 128-row GEMM tiles
 constexpr int kVecsInFlight = 4;              // 16-byte loads per lane per batch (40-register warps)
+constexpr uint64_t kThrottleNs = 50 * 1000;   // the longest a chunk waits for the GEMM's front
 
 using Params = FusedDispatchParams;  // gemm_wgmma.cuh
 
@@ -40,6 +45,15 @@ __device__ __forceinline__ void copy_role(const Params& f, int lane) {
     j = __shfl_sync(0xffffffffu, j, 0);
     if (j >= n_chunks) break;
     const int r0 = j * kCopyRows;
+    if (f.window_tiles > 0 && lane == 0) {
+      const int m = r0 / 128;
+      const volatile int32_t* front = f.sync + 1;
+      if (m >= *front + f.window_tiles) {
+        const uint64_t t0 = sync::global_ns();
+        while (m >= *front + f.window_tiles && sync::global_ns() - t0 < kThrottleNs) __nanosleep(256);
+      }
+    }
+    __syncwarp();
     // The chunk's source tokens in one load (lane i < kCopyRows: row r0 + i's
     // token, -1 for padding), broadcast below.
     int32_t mine = lane < kCopyRows ? __ldg(f.row_pair + r0 + lane) : -1;
@@ -85,15 +99,16 @@ __device__ __forceinline__ void copy_role(const Params& f, int lane) {
     __syncwarp();
     if (lane == 0) {
       __threadfence();
-      sync::red_release_add(&f.sync[1 + r0 / 128], 1);
+      sync::red_release_add(&f.sync[2 + r0 / 128], 1);
     }
   }
 }
 
 // The TMA thread, before its first load of 128-row tile m.
 __device__ __forceinline__ void wait_tile(const Params& f, int m) {
-  sync::wait_at_least(&f.sync[1 + m], kChunksPerTile, f.flags);
+  sync::wait_at_least(&f.sync[2 + m], kChunksPerTile, f.flags);
   sync::fence_proxy_async_global();  // rows other warps wrote, read next by TMA
+  if (f.window_tiles > 0) atomicMax(f.sync + 1, m + 1);  // the throttle's front
 }
 
 }  // namespace mok::cuda::fused_dispatch

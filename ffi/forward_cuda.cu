@@ -5,7 +5,7 @@
 //   hist         int32[slots * E]   slots = 8 * ceil(T*K / 4096)
 //   counts       int32[E]
 //   tile_expert  int32[R / 128]
-//   dispatch_sync int32[1 + R / 128]  the fused dispatch's ticket and tile counts
+//   dispatch_sync int32[2 + R / 128]  the fused dispatch's ticket, front and tile counts
 //   staged:      xg / out  bf16[R, H]   gathered x rows; reused for the down output
 //   persistent:  ring      bf16[ring_rows, H]   the ring token buffer
 //                out       bf16[R, H]           down output (read by the combine)
@@ -47,7 +47,7 @@ const char* make_layout(const Problem& p, const MegakernelConfig& cfg, Layout* o
   L.hist = take(static_cast<size_t>(detail::schedule_slots(p)) * E * sizeof(int32_t));
   L.counts = take(E * sizeof(int32_t));
   L.tile_expert = take(R / static_cast<size_t>(p.tile_rows) * sizeof(int32_t));
-  L.dispatch_sync = take((1 + R / static_cast<size_t>(p.tile_rows)) * sizeof(int32_t));
+  L.dispatch_sync = take((2 + R / static_cast<size_t>(p.tile_rows)) * sizeof(int32_t));
   L.xg = take(R * H * 2);
   if (L.persistent) {
     L.ring = take(static_cast<size_t>(L.plan.ring_rows) * H * 2);
@@ -194,7 +194,7 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
   const bool fuse_dispatch = detail::fused_dispatch_enabled();
   int32_t* dispatch_sync = reinterpret_cast<int32_t*>(ws + L.dispatch_sync);
   if (fuse_dispatch) {
-    if (cudaMemsetAsync(dispatch_sync, 0, (1 + R / p.tile_rows) * sizeof(int32_t), stream) != cudaSuccess)
+    if (cudaMemsetAsync(dispatch_sync, 0, (2 + R / p.tile_rows) * sizeof(int32_t), stream) != cudaSuccess)
       return "mok cuda forward: memset failed";
   } else if (const char* e = detail::launch_dispatch(p, a.x, a.row_pair, a.pair_row, a.expert_offsets, xg, sms,
                                                      stream)) {
@@ -212,6 +212,7 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
       g.dispatch_sync = dispatch_sync;
       g.dispatch_flags = flags;
       g.dispatch_top_k = static_cast<int>(p.top_k);
+      g.dispatch_window_tiles = detail::fused_dispatch_window_tiles(p.hidden);
     }
     g.a = xg;
     g.m_rows = R;

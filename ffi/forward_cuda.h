@@ -63,6 +63,10 @@ const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row
 // instead of launch_dispatch when MOK_CUDA_FUSED_DISPATCH=1 (read once; a
 // measurement knob, off by default).
 bool fused_dispatch_enabled();
+// Its throttle window in 128-row tiles for rows of `hidden` bf16 elements:
+// MOK_CUDA_FUSED_DISPATCH_WINDOW_MB (default 24) of rows ahead of the GEMM's
+// front, 0 = no throttle.
+int fused_dispatch_window_tiles(int64_t hidden);
 // The shared expert (no-op when Fs == 0): gate/up + SwiGLU and down GEMMs over all T tokens
 // (shared_out nullptr: the pre-activations only, for a backward that recomputes them).
 const char* launch_shared_expert(const Problem& p, const void* x, const uint8_t* token_mask, const void* ws_gate,

@@ -475,7 +475,7 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   // The fused dispatch writes A, which the GEMM otherwise only reads.
   p.fd = FusedDispatchParams{static_cast<const uint4*>(a.dispatch_x), a.dispatch_row_pair, a.dispatch_total_rows,
                              a.dispatch_sync, a.dispatch_flags, a.dispatch_top_k, static_cast<int>(a.k / 8),
-                             static_cast<uint4*>(const_cast<void*>(a.a))};
+                             static_cast<uint4*>(const_cast<void*>(a.a)), a.dispatch_window_tiles};
 
   // Output maps for the TMA-store epilogue: boxes of 64 columns x 16 rows (one
   // consumer warp's chunk). Not for per-row destinations (row_dst).

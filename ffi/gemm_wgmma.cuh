@@ -57,7 +57,7 @@ struct GroupedGemmArgs {
   // kGateUpSwiGLU only, optional (dispatch_fused.cuh): the kernel writes A
   // itself, a[r] = dispatch_x[dispatch_row_pair[r] / dispatch_top_k] (zeros
   // where the pair is < 0) for r < *dispatch_total_rows, before its TMA loads
-  // read them; dispatch_sync (int32[1 + ceil(m_rows / 128)]) must be zero at
+  // read them; dispatch_sync (int32[2 + ceil(m_rows / 128)]) must be zero at
   // launch.
   const void* dispatch_x = nullptr;  // [T, k]
   const int32_t* dispatch_row_pair = nullptr;
@@ -65,6 +65,7 @@ struct GroupedGemmArgs {
   int32_t* dispatch_sync = nullptr;
   int32_t* dispatch_flags = nullptr;  // bit 1 set (then a trap) if a wait times out
   int dispatch_top_k = 1;
+  int dispatch_window_tiles = 0;  // the copy's throttle (dispatch_fused.cuh), 0 = none
 };
 
 // Requirements: k % 8 == 0, n % 8 == 0, all pointers 16-byte aligned, k, n > 0.
@@ -123,11 +124,12 @@ struct FusedDispatchParams {
   const uint4* x;             // [T, H] token rows
   const int32_t* row_pair;    // [R] pair t * K + k of each row, < 0 padding
   const int32_t* total_rows;  // device: rows in use (a multiple of 128)
-  int32_t* sync;              // [1 + m_tiles], zero at launch
+  int32_t* sync;              // [2 + m_tiles], zero at launch
   int32_t* flags;             // a wait that times out sets bit 1 and traps
   int top_k;
   int vec;                    // H / 8
   uint4* dst;                 // A: the rows the TMA loads read
+  int window_tiles;           // throttle: copy at most this many tiles past the GEMM's front (0 = none)
 };
 struct PingpongParams {  // the ping-pong kernel's scalars, passed to it as they are
   int m_rows, n, k_blocks, n_tiles, m_tiles, group_m;

@@ -28,29 +28,32 @@ if has sass; then
 fi
 has corr && step corr_fused 200 env $F $FS --correctness --staged
 collect
+# VARIANTS: ';'-separated "tag ENV=V ... -- harness args" (run in this order,
+# then again in reverse order: tag2); default: the separate dispatch and the
+# fused copy (24 MB throttle window, and none) on the inference forward, and
+# on the training forward's cooperative gate/up.
+V_DEF="inf_base X=0 -- --no-residuals;inf_fused $F -- --no-residuals;inf_fused_w0 $F MOK_CUDA_FUSED_DISPATCH_WINDOW_MB=0 -- --no-residuals;inf_fused_w8 $F MOK_CUDA_FUSED_DISPATCH_WINDOW_MB=8 -- --no-residuals"
+V_DEF+=";train_base X=0 --;train_coop MOK_CUDA_GEMM_PINGPONG=0 --;train_fused_coop $F MOK_CUDA_GEMM_PINGPONG=0 --"
 if has timing; then
-  for s in ${SHAPES:-32768,2048,768,128,8 8192,4096,14336,8,2 32768,4096,1024,128,8}; do
+  IFS=';' read -ra vars <<< "${VARIANTS:-$V_DEF}"
+  for s in ${SHAPES:-32768,2048,768,128,8 32768,4096,1024,128,8 8192,4096,14336,8,2}; do
     n=$(echo "$s" | cut -d, -f1-3 | tr , x)
-    run() {  # run TAG ENV... -- [args]: one staged timing
-      local tag="$1"; shift
-      local e=()
-      while [ "$1" != "--" ]; do e+=("$1"); shift; done
-      shift
-      step "t_${n}_$tag" 120 env "${e[@]}" $FS --timing --iters 20 --staged --shape "$s" "$@"
-    }
-    run inf_base X=0 -- --no-residuals --no-check
-    run inf_fused $F -- --no-residuals
-    run train_base X=0 -- --no-check
-    run train_fused $F -- --no-check
-    if [ "$n" = "32768x2048x768" ]; then  # shape 1: training gate/up on ping-pong by default
-      run train_coop MOK_CUDA_GEMM_PINGPONG=0 -- --no-check
-      run train_fused_coop $F MOK_CUDA_GEMM_PINGPONG=0 -- --no-check
-    fi
-    run inf_fused2 $F -- --no-residuals --no-check
-    run inf_base2 X=0 -- --no-residuals --no-check
-    run train_fused2 $F -- 
-    run train_base2 X=0 -- --no-check
-    collect
+    first=1
+    for pass in 1 2; do
+      order=("${vars[@]}")
+      [ $pass = 2 ] && order=($(for ((i=${#vars[@]}-1; i>=0; i--)); do echo "${vars[$i]// /@}"; done))
+      for v in "${order[@]}"; do
+        v="${v//@/ }"
+        read -ra w <<< "$v"
+        tag="${w[0]}"; e=(); i=1
+        while [ "${w[$i]}" != "--" ]; do e+=("${w[$i]}"); i=$((i + 1)); done
+        args=("${w[@]:$((i + 1))}")
+        # the sampled check at this shape on the first pass only
+        [ $pass = 1 ] || args+=(--no-check)
+        step "t_${n}_${tag}$([ $pass = 2 ] && echo 2)" 120 env "${e[@]}" $FS --timing --iters 20 --staged --shape "$s" "${args[@]}"
+      done
+      collect
+    done
     [ "$n" = "32768x2048x768" ] && has memcheck && { step memcheck_fused 150 env $F compute-sanitizer --tool memcheck --error-exitcode 9 $FS --case odd_dims --staged; collect; }
   done
 fi
@@ -59,7 +62,7 @@ cat "$out/gpu.txt" "$out/sass.txt" 2>/dev/null
 for f in corr_fused; do [ -f "$out/$f.log" ] && grep -E "FAIL|correctness" "$out/$f.log" | cut -c1-200; done
 [ -f "$out/memcheck_fused.log" ] && grep -E "ERROR SUMMARY" "$out/memcheck_fused.log"
 for f in "$out"/t_*.log; do
-  [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E "total   median" "$f" | cut -c1-60) | $(grep -E "dispatch|gate/up" "$f" | head -1 | cut -c1-130) $(grep -E "determinism: BAD|FAIL|error" "$f" | head -1)"
+  [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E "total   median" "$f" | awk '{print $3}') ms | $(grep -E "^  schedule" "$f" | head -1 | sed 's/^ *schedule [0-9.]* ms | //' | cut -c1-110) $(grep -E "determinism: BAD|FAIL|rror" "$f" | head -1)"
 done
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | grep -v "rc=0 "
 collect
