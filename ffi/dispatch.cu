@@ -131,7 +131,7 @@ bool fused_dispatch_enabled() {
 int fused_dispatch_window_tiles(int64_t hidden) {
   static const int64_t mb = [] {
     const char* e = std::getenv("MOK_CUDA_FUSED_DISPATCH_WINDOW_MB");
-    return e != nullptr ? static_cast<int64_t>(std::max(0, std::atoi(e))) : int64_t(24);
+    return e != nullptr ? static_cast<int64_t>(std::max(0, std::atoi(e))) : int64_t(0);
   }();
   if (mb == 0) return 0;
   return static_cast<int>(std::max<int64_t>(4, (mb << 20) / (128 * hidden * 2)));

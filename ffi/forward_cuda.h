@@ -64,8 +64,9 @@ const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row
 // measurement knob, off by default).
 bool fused_dispatch_enabled();
 // Its throttle window in 128-row tiles for rows of `hidden` bf16 elements:
-// MOK_CUDA_FUSED_DISPATCH_WINDOW_MB (default 24) of rows ahead of the GEMM's
-// front, 0 = no throttle.
+// MOK_CUDA_FUSED_DISPATCH_WINDOW_MB of rows ahead of the GEMM's front; unset
+// or 0 = no throttle (the measured version; the throttle has not run on a GPU
+// yet, see docs/design.md).
 int fused_dispatch_window_tiles(int64_t hidden);
 // The shared expert (no-op when Fs == 0): gate/up + SwiGLU and down GEMMs over all T tokens
 // (shared_out nullptr: the pre-activations only, for a backward that recomputes them).

@@ -30,9 +30,9 @@ has corr && step corr_fused 200 env $F $FS --correctness --staged
 collect
 # VARIANTS: ';'-separated "tag ENV=V ... -- harness args" (run in this order,
 # then again in reverse order: tag2); default: the separate dispatch and the
-# fused copy (24 MB throttle window, and none) on the inference forward, and
-# on the training forward's cooperative gate/up.
-V_DEF="inf_base X=0 -- --no-residuals;inf_fused $F -- --no-residuals;inf_fused_w0 $F MOK_CUDA_FUSED_DISPATCH_WINDOW_MB=0 -- --no-residuals;inf_fused_w8 $F MOK_CUDA_FUSED_DISPATCH_WINDOW_MB=8 -- --no-residuals"
+# fused copy (no throttle, 24 MB and 8 MB windows) on the inference forward,
+# and on the training forward's gate/up (ping-pong default, cooperative).
+V_DEF="inf_base X=0 -- --no-residuals;inf_fused $F -- --no-residuals;inf_fused_w24 $F MOK_CUDA_FUSED_DISPATCH_WINDOW_MB=24 -- --no-residuals;inf_fused_w8 $F MOK_CUDA_FUSED_DISPATCH_WINDOW_MB=8 -- --no-residuals"
 V_DEF+=";train_base X=0 --;train_coop MOK_CUDA_GEMM_PINGPONG=0 --;train_fused_coop $F MOK_CUDA_GEMM_PINGPONG=0 --"
 if has timing; then
   IFS=';' read -ra vars <<< "${VARIANTS:-$V_DEF}"
