@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "dispatch_row.cuh"
 #include "forward_cuda.h"
 
 namespace mok::cuda::detail {
@@ -34,23 +35,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_rows(const uint4* __restric
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   for (int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + warp; r < total; r += int64_t(gridDim.x) * kRowsPerBlock) {
     const int32_t p = row_pair[r];
-    uint4* dst = xg + r * vec_per_row;
-    if (p >= 0) {
-      const uint4* src = x + (int64_t(p) / K) * vec_per_row;
-      int64_t c = lane;
-      // 4 independent 16-byte loads in flight per lane.
-      for (; c + 96 < vec_per_row; c += 128) {
-        const uint4 v0 = __ldg(src + c), v1 = __ldg(src + c + 32), v2 = __ldg(src + c + 64), v3 = __ldg(src + c + 96);
-        dst[c] = v0;
-        dst[c + 32] = v1;
-        dst[c + 64] = v2;
-        dst[c + 96] = v3;
-      }
-      for (; c < vec_per_row; c += 32) dst[c] = __ldg(src + c);
-    } else {
-      const uint4 z = make_uint4(0, 0, 0, 0);
-      for (int64_t c = lane; c < vec_per_row; c += 32) dst[c] = z;
-    }
+    copy_row_warp(p >= 0 ? x + (int64_t(p) / K) * vec_per_row : nullptr, xg + r * vec_per_row, vec_per_row, lane);
   }
 }
 

@@ -1,9 +1,10 @@
-// The dispatch fused into the gate/up GEMM (gemm_wgmma.cu, cooperative kernel):
+// The dispatch fused into the gate/up GEMM (gemm_wgmma.cu's cooperative kernel
+// and gemm_wgmma_pingpong.cu's):
 // the producer warpgroup's three warps that do not issue TMA loads copy the
 // token rows into the expert-major buffer the GEMM then reads through TMA,
 //   xg[r] = x[row_pair[r] / K]  (zeros where row_pair[r] < 0),  r < *total_rows,
-// the same bytes dispatch.cu's kernels write, so the results are bitwise the
-// same. The copy runs under the GEMM instead of before it (the separate
+// the same bytes dispatch.cu's kernels write (copy_row_warp), so the results
+// are bitwise the same. The copy runs under the GEMM instead of before it (the separate
 // kernel is ~0.5 ms of DRAM traffic at shape 1, ~10 % of the forward).
 //
 // Protocol (int32 sync[2 + m_tiles], zero at launch):
@@ -23,6 +24,7 @@
 
 #include <cstdint>
 
+#include "dispatch_row.cuh"
 #include "gemm_wgmma.cuh"
 #include "megakernel_sync.cuh"
 
@@ -30,14 +32,10 @@ namespace mok::cuda::fused_dispatch {
 
 constexpr int kCopyRows = 4;                  // rows per claimed chunk
 constexpr int kChunksPerTile = 128 / kCopyRows;  // 128-row GEMM tiles
-constexpr int kVecsInFlight = 4;              // 16-byte loads per lane per batch (40-register warps)
 constexpr uint64_t kThrottleNs = 50 * 1000;   // the longest a chunk waits for the GEMM's front
 
-using Params = FusedDispatchParams;  // gemm_wgmma.cuh
-
 // One warp (lane = its lane) of the copy role, until no chunk is left.
-__device__ __forceinline__ void copy_role(const Params& f, int lane) {
-  uint4* __restrict__ xg = f.dst;
+__device__ __forceinline__ void copy_role(const FusedDispatchParams& f, int lane) {
   const int n_chunks = *f.total_rows / kCopyRows;
   for (;;) {
     int j = 0;
@@ -58,7 +56,7 @@ __device__ __forceinline__ void copy_role(const Params& f, int lane) {
     // token, -1 for padding), broadcast below.
     int32_t mine = lane < kCopyRows ? __ldg(f.row_pair + r0 + lane) : -1;
     mine = mine >= 0 ? mine / f.top_k : -1;
-    // The 40-register producer holds only kVecsInFlight loads per lane, so
+    // The 40-register producer holds only 4 loads per lane (copy_row_warp), so
     // the chunk's source rows are first requested into L2 all at once
     // (prefetches hold no registers); the copy below then mostly hits L2.
 #pragma unroll 1
@@ -74,25 +72,8 @@ __device__ __forceinline__ void copy_role(const Params& f, int lane) {
 #pragma unroll 1
     for (int rr = 0; rr < kCopyRows; ++rr) {
       const int32_t tok = __shfl_sync(0xffffffffu, mine, rr);
-      uint4* dst = xg + static_cast<int64_t>(r0 + rr) * f.vec + lane;
-      if (tok >= 0) {
-        // Pointer walks (few live registers): kVecsInFlight loads, then stores.
-        const uint4* src = f.x + static_cast<int64_t>(tok) * f.vec + lane;
-        const uint4* const end = src + (f.vec - lane);
-#pragma unroll 1
-        for (; src + 32 * (kVecsInFlight - 1) < end; src += 32 * kVecsInFlight, dst += 32 * kVecsInFlight) {
-          uint4 v[kVecsInFlight];
-#pragma unroll
-          for (int i = 0; i < kVecsInFlight; ++i) v[i] = __ldg(src + 32 * i);
-#pragma unroll
-          for (int i = 0; i < kVecsInFlight; ++i) dst[32 * i] = v[i];
-        }
-#pragma unroll 1
-        for (; src < end; src += 32, dst += 32) *dst = __ldg(src);
-      } else {
-#pragma unroll 1
-        for (int c = lane; c < f.vec; c += 32, dst += 32) *dst = make_uint4(0, 0, 0, 0);
-      }
+      copy_row_warp(tok >= 0 ? f.x + static_cast<int64_t>(tok) * f.vec : nullptr,
+                    f.dst + static_cast<int64_t>(r0 + rr) * f.vec, f.vec, lane);
     }
     // The warp's stores, then one release per chunk (the pattern of the
     // megakernel's ready counters: barrier, fence, release).
@@ -105,7 +86,7 @@ __device__ __forceinline__ void copy_role(const Params& f, int lane) {
 }
 
 // The TMA thread, before its first load of 128-row tile m.
-__device__ __forceinline__ void wait_tile(const Params& f, int m) {
+__device__ __forceinline__ void wait_tile(const FusedDispatchParams& f, int m) {
   sync::wait_at_least(&f.sync[2 + m], kChunksPerTile, f.flags);
   sync::fence_proxy_async_global();  // rows other warps wrote, read next by TMA
   if (f.window_tiles > 0) atomicMax(f.sync + 1, m + 1);  // the throttle's front

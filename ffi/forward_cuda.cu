@@ -206,13 +206,13 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
   {
     GroupedGemmArgs g;
     if (fuse_dispatch) {
-      g.dispatch_x = a.x;
-      g.dispatch_row_pair = a.row_pair;
-      g.dispatch_total_rows = a.expert_offsets + p.experts;
-      g.dispatch_sync = dispatch_sync;
-      g.dispatch_flags = flags;
-      g.dispatch_top_k = static_cast<int>(p.top_k);
-      g.dispatch_window_tiles = detail::fused_dispatch_window_tiles(p.hidden);
+      g.dispatch.x = static_cast<const uint4*>(a.x);
+      g.dispatch.row_pair = a.row_pair;
+      g.dispatch.total_rows = a.expert_offsets + p.experts;
+      g.dispatch.sync = dispatch_sync;
+      g.dispatch.flags = flags;
+      g.dispatch.top_k = static_cast<int>(p.top_k);
+      g.dispatch.window_tiles = detail::fused_dispatch_window_tiles(p.hidden);
     }
     g.a = xg;
     g.m_rows = R;

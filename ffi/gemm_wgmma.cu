@@ -439,10 +439,9 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   if (!aligned16(a.a) || !aligned16(a.b0) || (a.row_dst == nullptr && !aligned16(a.out0)) ||
       (fused && (!aligned16(a.b1) || !aligned16(a.out1) || !aligned16(a.out2))))
     return "mok cuda gemm: pointers must be 16-byte aligned";
-  const bool fuse_dispatch = a.dispatch_x != nullptr;
-  if (fuse_dispatch && (!fused || a.dispatch_row_pair == nullptr || a.dispatch_total_rows == nullptr ||
-                        a.dispatch_sync == nullptr || a.dispatch_flags == nullptr || a.dispatch_top_k < 1 ||
-                        !aligned16(a.dispatch_x)))
+  const FusedDispatchParams& fd = a.dispatch;
+  if (fd.x != nullptr && (!fused || fd.row_pair == nullptr || fd.total_rows == nullptr || fd.sync == nullptr ||
+                          fd.flags == nullptr || fd.top_k < 1 || !aligned16(fd.x)))
     return "mok cuda gemm: the fused dispatch needs the gate/up epilogue, its row map, counters and aligned x";
   if (get_encoder() == nullptr) return "mok cuda gemm: cuTensorMapEncodeTiled unavailable";
 
@@ -473,9 +472,9 @@ const char* launch_grouped_gemm(GemmEpilogue epi, const GroupedGemmArgs& a, int 
   p.row_dst = a.row_dst;
   p.zero_unused = a.zero_unused_tiles ? 1 : 0;
   // The fused dispatch writes A, which the GEMM otherwise only reads.
-  p.fd = FusedDispatchParams{static_cast<const uint4*>(a.dispatch_x), a.dispatch_row_pair, a.dispatch_total_rows,
-                             a.dispatch_sync, a.dispatch_flags, a.dispatch_top_k, static_cast<int>(a.k / 8),
-                             static_cast<uint4*>(const_cast<void*>(a.a)), a.dispatch_window_tiles};
+  p.fd = fd;
+  p.fd.vec = static_cast<int>(a.k / 8);
+  p.fd.dst = static_cast<uint4*>(const_cast<void*>(a.a));
 
   // Output maps for the TMA-store epilogue: boxes of 64 columns x 16 rows (one
   // consumer warp's chunk). Not for per-row destinations (row_dst).

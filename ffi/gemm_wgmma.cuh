@@ -31,6 +31,23 @@ namespace mok::cuda {
 
 enum class GemmEpilogue : int { kGateUpSwiGLU = 0, kStore = 1 };
 
+// The dispatch fused into the gate/up kernels (dispatch_fused.cuh): the
+// kernel writes A itself, a[r] = x[row_pair[r] / top_k] (zeros where the pair
+// is < 0) for r < *total_rows, before its TMA loads read them. x == nullptr:
+// off. The caller fills the fields above `vec`; launch_grouped_gemm sets vec
+// and dst from GroupedGemmArgs' k and a.
+struct FusedDispatchParams {
+  const uint4* x = nullptr;            // [T, H] token rows
+  const int32_t* row_pair = nullptr;   // [R] pair t * K + k of each row, < 0 padding
+  const int32_t* total_rows = nullptr; // device: rows in use (a multiple of 128)
+  int32_t* sync = nullptr;             // [2 + ceil(m_rows / 128)], zero at launch
+  int32_t* flags = nullptr;            // a wait that times out sets bit 1 and traps
+  int top_k = 1;
+  int window_tiles = 0;                // throttle: copy at most this many tiles past the GEMM's front (0 = none)
+  int vec = 0;                         // H / 8
+  uint4* dst = nullptr;                // A: the rows the TMA loads read
+};
+
 struct GroupedGemmArgs {
   const void* a = nullptr;  // [m_rows, k]
   int64_t m_rows = 0;
@@ -54,18 +71,8 @@ struct GroupedGemmArgs {
   // kStore only, optional: [m_rows] address of each output row (0 = not
   // stored) instead of out0 + row * n (out0 unused). Not with zero_unused_tiles.
   const uint64_t* row_dst = nullptr;
-  // kGateUpSwiGLU only, optional (dispatch_fused.cuh): the kernel writes A
-  // itself, a[r] = dispatch_x[dispatch_row_pair[r] / dispatch_top_k] (zeros
-  // where the pair is < 0) for r < *dispatch_total_rows, before its TMA loads
-  // read them; dispatch_sync (int32[2 + ceil(m_rows / 128)]) must be zero at
-  // launch.
-  const void* dispatch_x = nullptr;  // [T, k]
-  const int32_t* dispatch_row_pair = nullptr;
-  const int32_t* dispatch_total_rows = nullptr;
-  int32_t* dispatch_sync = nullptr;
-  int32_t* dispatch_flags = nullptr;  // bit 1 set (then a trap) if a wait times out
-  int dispatch_top_k = 1;
-  int dispatch_window_tiles = 0;  // the copy's throttle (dispatch_fused.cuh), 0 = none
+  // kGateUpSwiGLU only, optional: the dispatch fused in (see above).
+  FusedDispatchParams dispatch = {};
 };
 
 // Requirements: k % 8 == 0, n % 8 == 0, all pointers 16-byte aligned, k, n > 0.
@@ -117,20 +124,6 @@ int gemm_tma_store();
 // launch_grouped_gemm's encoded maps (A with a 64-row box) and tile counts.
 constexpr int kPingpongMaxKBlocks = 32;
 bool gemm_pingpong(bool fused, bool keep_pre, int k_blocks);
-// The dispatch fused into the gate/up kernels (dispatch_fused.cuh), as the
-// kernels get it; x == nullptr: off (launch_grouped_gemm fills it from
-// GroupedGemmArgs' dispatch_* fields).
-struct FusedDispatchParams {
-  const uint4* x;             // [T, H] token rows
-  const int32_t* row_pair;    // [R] pair t * K + k of each row, < 0 padding
-  const int32_t* total_rows;  // device: rows in use (a multiple of 128)
-  int32_t* sync;              // [2 + m_tiles], zero at launch
-  int32_t* flags;             // a wait that times out sets bit 1 and traps
-  int top_k;
-  int vec;                    // H / 8
-  uint4* dst;                 // A: the rows the TMA loads read
-  int window_tiles;           // throttle: copy at most this many tiles past the GEMM's front (0 = none)
-};
 struct PingpongParams {  // the ping-pong kernel's scalars, passed to it as they are
   int m_rows, n, k_blocks, n_tiles, m_tiles, group_m;
   const int32_t* tile_group;
