@@ -191,7 +191,7 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
   }
 
   // 3. dispatch (or, fused, inside the gate/up GEMM: its counters zeroed here)
-  const bool fuse_dispatch = detail::fused_dispatch_enabled();
+  const bool fuse_dispatch = detail::fused_dispatch_enabled(a.gate_pre != nullptr);
   int32_t* dispatch_sync = reinterpret_cast<int32_t*>(ws + L.dispatch_sync);
   if (fuse_dispatch) {
     if (cudaMemsetAsync(dispatch_sync, 0, (2 + R / p.tile_rows) * sizeof(int32_t), stream) != cudaSuccess)

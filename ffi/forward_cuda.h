@@ -60,13 +60,16 @@ const char* launch_schedule(const Problem& pr, const int32_t* topk_ids, const ui
 const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row_pair, const int32_t* pair_row,
                             const int32_t* expert_offsets, void* xg, int num_sms, cudaStream_t stream);
 // The staged forward copies the rows inside its gate/up GEMM (dispatch_fused.cuh)
-// instead of launch_dispatch when MOK_CUDA_FUSED_DISPATCH=1 (read once; a
-// measurement knob, off by default).
-bool fused_dispatch_enabled();
-// Its throttle window in 128-row tiles for rows of `hidden` bf16 elements:
-// MOK_CUDA_FUSED_DISPATCH_WINDOW_MB of rows ahead of the GEMM's front; unset
-// or 0 = no throttle (the measured version; the throttle has not run on a GPU
-// yet, see docs/design.md).
+// instead of launch_dispatch: by default in the forward that keeps no residuals
+// (inference), where it measured faster; MOK_CUDA_FUSED_DISPATCH=1 fuses it in
+// every staged forward, =0 in none (read once per process).
+bool fused_dispatch_enabled(bool keeps_residuals);
+// Its throttle window in 128-row tiles for rows of `hidden` bf16 elements (at
+// least 4): MOK_CUDA_FUSED_DISPATCH_WINDOW_MB of rows ahead of the GEMM's
+// front (0 = no throttle), default kDefaultFusedDispatchWindowMB. 8 MB beat no
+// throttle and 24 MB at shape 2 (H = 4096: TMA then finds the copied rows in L2)
+// and matched no throttle at shape 1 (2026-12-07, H100; docs/design.md).
+constexpr int64_t kDefaultFusedDispatchWindowMB = 8;
 int fused_dispatch_window_tiles(int64_t hidden);
 // The shared expert (no-op when Fs == 0): gate/up + SwiGLU and down GEMMs over all T tokens
 // (shared_out nullptr: the pre-activations only, for a backward that recomputes them).

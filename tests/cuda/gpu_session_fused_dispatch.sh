@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the dispatch fused into the gate/up GEMM
-# (ffi/dispatch_fused.cuh, MOK_CUDA_FUSED_DISPATCH=1) against the separate
+# (ffi/dispatch_fused.cuh: the default in the forward that keeps no residuals,
+# MOK_CUDA_FUSED_DISPATCH=1 everywhere, =0 nowhere) against the separate
 # dispatch kernel: standalone build, SASS check, the staged correctness cases
 # and memcheck with the fused copy, then alternated timings per shape of the
 # inference forward (no residuals: cooperative gate/up either way) and the
@@ -27,12 +28,20 @@ if has sass; then
     END{for(k in c) print c[k]" HGMMA, "l[k]+0" LDL/STL  "substr(k,1,100)}' > "$out/sass.txt" 2>&1
 fi
 has corr && step corr_fused 200 env $F $FS --correctness --staged
+# the row-major dispatch kernel shares copy_row_warp with the fused copy
+has corr && step corr_rows 200 env MOK_CUDA_DISPATCH=rows $FS --correctness --staged
 collect
 # VARIANTS: ';'-separated "tag ENV=V ... -- harness args" (run in this order,
-# then again in reverse order: tag2); default: the separate dispatch and the
-# fused copy (no throttle, 24 MB and 8 MB windows) on the inference forward,
-# and on the training forward's gate/up (ping-pong default, cooperative).
-V_DEF="inf_base X=0 -- --no-residuals;inf_fused $F -- --no-residuals;inf_fused_w24 $F MOK_CUDA_FUSED_DISPATCH_WINDOW_MB=24 -- --no-residuals;inf_fused_w8 $F MOK_CUDA_FUSED_DISPATCH_WINDOW_MB=8 -- --no-residuals"
+# then again in reverse order: tag2); default: on the inference forward the
+# separate dispatch, the fused copy with its default 8 MB window (the default
+# there since the twenty-fourth session), no throttle, and 4 MB and 2 MB
+# windows; on the training forward's gate/up the ping-pong default (separate
+# dispatch), the cooperative kernel, and the cooperative kernel fused with the
+# default window.
+S=MOK_CUDA_FUSED_DISPATCH=0
+W=MOK_CUDA_FUSED_DISPATCH_WINDOW_MB
+V_DEF="inf_sep $S -- --no-residuals;inf_fused_w8 X=0 -- --no-residuals;inf_fused_w0 $W=0 -- --no-residuals"
+V_DEF+=";inf_fused_w4 $W=4 -- --no-residuals;inf_fused_w2 $W=2 -- --no-residuals"
 V_DEF+=";train_base X=0 --;train_coop MOK_CUDA_GEMM_PINGPONG=0 --;train_fused_coop $F MOK_CUDA_GEMM_PINGPONG=0 --"
 if has timing; then
   IFS=';' read -ra vars <<< "${VARIANTS:-$V_DEF}"
@@ -59,7 +68,7 @@ if has timing; then
 fi
 echo "================ summary"
 cat "$out/gpu.txt" "$out/sass.txt" 2>/dev/null
-for f in corr_fused; do [ -f "$out/$f.log" ] && grep -E "FAIL|correctness" "$out/$f.log" | cut -c1-200; done
+for f in corr_fused corr_rows; do [ -f "$out/$f.log" ] && grep -E "FAIL|correctness" "$out/$f.log" | cut -c1-200; done
 [ -f "$out/memcheck_fused.log" ] && grep -E "ERROR SUMMARY" "$out/memcheck_fused.log"
 for f in "$out"/t_*.log; do
   [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E "total   median" "$f" | awk '{print $3}') ms | $(grep -E "^  schedule" "$f" | head -1 | sed 's/^ *schedule [0-9.]* ms | //' | cut -c1-110) $(grep -E "determinism: BAD|FAIL|rror" "$f" | head -1)"
