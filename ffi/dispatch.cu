@@ -127,7 +127,7 @@ int fused_dispatch_window_tiles(int64_t hidden) {
                                       : kDefaultFusedDispatchWindowMB;
   }();
   if (mb == 0) return 0;
-  return static_cast<int>(std::max<int64_t>(4, (mb << 20) / (128 * hidden * 2)));
+  return static_cast<int>(std::max<int64_t>(4, (mb << 20) / (kTileRows * hidden * 2)));  // bf16 rows
 }
 
 const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row_pair, const int32_t* pair_row,

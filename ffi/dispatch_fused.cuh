@@ -25,13 +25,15 @@
 #include <cstdint>
 
 #include "dispatch_row.cuh"
+#include "gemm_tile.cuh"
 #include "gemm_wgmma.cuh"
 #include "megakernel_sync.cuh"
 
 namespace mok::cuda::fused_dispatch {
 
+constexpr int kTileRows = tile::kBM;          // the counters' tiles: the GEMM's M tiles
 constexpr int kCopyRows = 4;                  // rows per claimed chunk
-constexpr int kChunksPerTile = 128 / kCopyRows;  // 128-row GEMM tiles
+constexpr int kChunksPerTile = kTileRows / kCopyRows;
 constexpr uint64_t kThrottleNs = 50 * 1000;   // the longest a chunk waits for the GEMM's front
 
 // One warp (lane = its lane) of the copy role, until no chunk is left.
@@ -44,7 +46,7 @@ __device__ __forceinline__ void copy_role(const FusedDispatchParams& f, int lane
     if (j >= n_chunks) break;
     const int r0 = j * kCopyRows;
     if (f.window_tiles > 0 && lane == 0) {
-      const int m = r0 / 128;
+      const int m = r0 / kTileRows;
       const volatile int32_t* front = f.sync + 1;
       if (m >= *front + f.window_tiles) {
         const uint64_t t0 = sync::global_ns();
@@ -80,7 +82,7 @@ __device__ __forceinline__ void copy_role(const FusedDispatchParams& f, int lane
     __syncwarp();
     if (lane == 0) {
       __threadfence();
-      sync::red_release_add(&f.sync[2 + r0 / 128], 1);
+      sync::red_release_add(&f.sync[2 + r0 / kTileRows], 1);
     }
   }
 }

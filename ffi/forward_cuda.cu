@@ -31,6 +31,12 @@ struct Layout {
   MegakernelPlan plan;
 };
 
+// The fused dispatch's int32 counters (dispatch_fused.cuh): ticket, front and
+// one count per 128-row tile.
+size_t dispatch_sync_bytes(const Problem& p) {
+  return (2 + static_cast<size_t>(p.row_capacity() / p.tile_rows)) * sizeof(int32_t);
+}
+
 // nullptr or an error (bad knobs).
 const char* make_layout(const Problem& p, const MegakernelConfig& cfg, Layout* out) {
   Layout L{};
@@ -47,7 +53,7 @@ const char* make_layout(const Problem& p, const MegakernelConfig& cfg, Layout* o
   L.hist = take(static_cast<size_t>(detail::schedule_slots(p)) * E * sizeof(int32_t));
   L.counts = take(E * sizeof(int32_t));
   L.tile_expert = take(R / static_cast<size_t>(p.tile_rows) * sizeof(int32_t));
-  L.dispatch_sync = take((2 + R / static_cast<size_t>(p.tile_rows)) * sizeof(int32_t));
+  L.dispatch_sync = take(dispatch_sync_bytes(p));
   L.xg = take(R * H * 2);
   if (L.persistent) {
     L.ring = take(static_cast<size_t>(L.plan.ring_rows) * H * 2);
@@ -194,7 +200,7 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
   const bool fuse_dispatch = detail::fused_dispatch_enabled(a.gate_pre != nullptr);
   int32_t* dispatch_sync = reinterpret_cast<int32_t*>(ws + L.dispatch_sync);
   if (fuse_dispatch) {
-    if (cudaMemsetAsync(dispatch_sync, 0, (2 + R / p.tile_rows) * sizeof(int32_t), stream) != cudaSuccess)
+    if (cudaMemsetAsync(dispatch_sync, 0, dispatch_sync_bytes(p), stream) != cudaSuccess)
       return "mok cuda forward: memset failed";
   } else if (const char* e = detail::launch_dispatch(p, a.x, a.row_pair, a.pair_row, a.expert_offsets, xg, sms,
                                                      stream)) {

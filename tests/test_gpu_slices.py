@@ -17,7 +17,8 @@ def test_gpu_slices_partition_the_gpu_suite():
     # every GPU test of the suite, in any file (a new GPU test file must join a slice)
     everything = _collect(["-m", "gpu", "-p", "no:cacheprovider", "tests"])
     assert len(everything) > 50  # the suite was collected, not an empty selection
-    picked = [t for n in gpu_slices.SLICES for t in _collect(gpu_slices.pytest_args(n))]
+    slices = {n: _collect(gpu_slices.pytest_args(n)) for n in gpu_slices.SLICES}
+    for n, tests in slices.items():
+        assert tests, f"slice {n} selects nothing"
+    picked = [t for tests in slices.values() for t in tests]
     assert sorted(picked) == sorted(everything)  # each test once, none left out
-    for n in gpu_slices.SLICES:
-        assert _collect(gpu_slices.pytest_args(n)), f"slice {n} selects nothing"

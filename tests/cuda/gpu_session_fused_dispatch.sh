@@ -9,7 +9,7 @@
 # cooperative kernel with the separate dispatch, MOK_CUDA_GEMM_PINGPONG=0).
 # Usage (GPU host, repo root): bash tests/cuda/gpu_session_fused_dispatch.sh [steps...]
 #   steps default: build sass corr memcheck timing (memcheck after shape 1's timings)
-#   SHAPES: timing shapes (default: benchmark shapes 1, 4 and 2)
+#   SHAPES: timing shapes (default: benchmark shapes 1, 2 and 4)
 set -uo pipefail
 final="${OUT:-/tmp/mok_fused_out}"
 out="${LOGS:-/tmp/mok_fused_logs}"
@@ -49,7 +49,6 @@ if has timing; then
   IFS=';' read -ra vars <<< "${VARIANTS:-$V_DEF}"
   for s in ${SHAPES:-32768,2048,768,128,8 32768,4096,1024,128,8 8192,4096,14336,8,2}; do
     n=$(echo "$s" | cut -d, -f1-3 | tr , x)
-    first=1
     for pass in 1 2; do
       order=("${vars[@]}")
       [ $pass = 2 ] && order=($(for ((i=${#vars[@]}-1; i>=0; i--)); do echo "${vars[$i]// /@}"; done))
