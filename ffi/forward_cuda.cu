@@ -151,9 +151,14 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
   auto mark = [&](int i) -> bool { return ev == nullptr || cudaEventRecord(ev->ev[i], stream) == cudaSuccess; };
   if (!mark(0)) return "mok cuda forward: event record failed";
 
-  // 1. schedule
+  // 1. schedule (its offsets kernel also zeroes the fused dispatch's counters,
+  //    which saves the graph a memset node)
+  const bool fuse_dispatch = !L.persistent && detail::fused_dispatch_enabled(a.gate_pre != nullptr);
+  int32_t* dispatch_sync = reinterpret_cast<int32_t*>(ws + L.dispatch_sync);
+  const int64_t sync_words = fuse_dispatch ? int64_t(dispatch_sync_bytes(p) / sizeof(int32_t)) : 0;
   if (const char* e = detail::launch_schedule(p, a.topk_ids, a.token_mask, a.expert_offsets, a.row_pair, a.pair_row,
-                                              hist, counts, tile_expert, flags, stream))
+                                              hist, counts, tile_expert, flags, stream, 0, 0, dispatch_sync,
+                                              sync_words))
     return e;
   if (!mark(1)) return "mok cuda forward: event record failed";
 
@@ -196,16 +201,10 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
     return nullptr;
   }
 
-  // 3. dispatch (or, fused, inside the gate/up GEMM: its counters zeroed here)
-  const bool fuse_dispatch = detail::fused_dispatch_enabled(a.gate_pre != nullptr);
-  int32_t* dispatch_sync = reinterpret_cast<int32_t*>(ws + L.dispatch_sync);
-  if (fuse_dispatch) {
-    if (cudaMemsetAsync(dispatch_sync, 0, dispatch_sync_bytes(p), stream) != cudaSuccess)
-      return "mok cuda forward: memset failed";
-  } else if (const char* e = detail::launch_dispatch(p, a.x, a.row_pair, a.pair_row, a.expert_offsets, xg, sms,
-                                                     stream)) {
-    return e;
-  }
+  // 3. dispatch (or, fused, inside the gate/up GEMM: its counters were zeroed in step 1)
+  if (!fuse_dispatch)
+    if (const char* e = detail::launch_dispatch(p, a.x, a.row_pair, a.pair_row, a.expert_offsets, xg, sms, stream))
+      return e;
   if (!mark(2)) return "mok cuda forward: event record failed";
 
   // 4. gate/up + SwiGLU

@@ -53,8 +53,9 @@ int64_t schedule_slots(const Problem& pr);
 const char* launch_schedule(const Problem& pr, const int32_t* topk_ids, const uint8_t* token_mask,
                             int32_t* expert_offsets, int32_t* row_pair, int32_t* pair_row, int32_t* hist,
                             int32_t* counts, int32_t* tile_expert, int32_t* flags, cudaStream_t stream,
-                            int expert_base = 0, int all_experts = 0);  // ids outside [expert_base,
+                            int expert_base = 0, int all_experts = 0,  // ids outside [expert_base,
                             // expert_base + pr.experts) of [0, all_experts or pr.experts) are not routed here
+                            int32_t* zero_words = nullptr, int64_t zero_count = 0);  // int32s it also zeroes
 // x's token rows into the padded expert-major rows xg (dispatch.cu), from the
 // schedule: row_pair (rows -> pairs), pair_row (pairs -> rows), expert_offsets.
 const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row_pair, const int32_t* pair_row,

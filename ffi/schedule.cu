@@ -115,7 +115,11 @@ constexpr int kOffThreads = 1024;
 
 __global__ void __launch_bounds__(kOffThreads) schedule_offsets(const int32_t* __restrict__ counts, int E, int tile,
                                                                 int64_t R, int32_t* __restrict__ expert_offsets,
-                                                                int32_t* __restrict__ tile_expert) {
+                                                                int32_t* __restrict__ tile_expert,
+                                                                int32_t* __restrict__ zero_words, int64_t zero_count) {
+  // The caller's counters that must start at zero for a later kernel of this
+  // stream (the fused dispatch's): cleared here instead of by a memset node.
+  for (int64_t i = threadIdx.x; i < zero_count; i += kOffThreads) zero_words[i] = 0;
   using Scan = cub::BlockScan<int32_t, kOffThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int32_t carry_s;
@@ -183,7 +187,7 @@ int64_t schedule_slots(const Problem& pr) {
 const char* launch_schedule(const Problem& pr, const int32_t* topk_ids, const uint8_t* token_mask,
                             int32_t* expert_offsets, int32_t* row_pair, int32_t* pair_row, int32_t* hist,
                             int32_t* counts, int32_t* tile_expert, int32_t* flags, cudaStream_t stream,
-                            int expert_base, int all_experts) {
+                            int expert_base, int all_experts, int32_t* zero_words, int64_t zero_count) {
   const int64_t P = pr.pairs();
   const int E = static_cast<int>(pr.experts);
   const int K = static_cast<int>(pr.top_k);
@@ -191,6 +195,7 @@ const char* launch_schedule(const Problem& pr, const int32_t* topk_ids, const ui
   const int64_t slots = schedule_slots(pr);
   const ExpertWindow win{expert_base, all_experts > 0 ? all_experts : E};
   if (expert_base < 0 || expert_base + E > win.all_experts) return "mok cuda schedule: bad expert window";
+  if (zero_count < 0 || (zero_count > 0 && zero_words == nullptr)) return "mok cuda schedule: bad zero_words";
   const int blocks = static_cast<int>(slots / kWarps);
   const size_t smem = size_t(kWarps) * E * sizeof(int32_t);
   if (smem > 200 * 1024) return "mok cuda schedule: too many experts";
@@ -205,7 +210,7 @@ const char* launch_schedule(const Problem& pr, const int32_t* topk_ids, const ui
   schedule_scan<<<(E + 31) / 32, dim3(32, 32), 0, stream>>>(hist, slots, E, counts);
   if (cudaGetLastError() != cudaSuccess) return "mok cuda schedule: scan launch failed";
   schedule_offsets<<<1, kOffThreads, 0, stream>>>(counts, E, static_cast<int>(pr.tile_rows), R, expert_offsets,
-                                                  tile_expert);
+                                                  tile_expert, zero_words, zero_count);
   if (cudaGetLastError() != cudaSuccess) return "mok cuda schedule: offsets launch failed";
   schedule_place<<<blocks, kWarps * 32, smem, stream>>>(topk_ids, token_mask, P, K, E, win, hist, expert_offsets,
                                                         pair_row, row_pair, flags);
