@@ -33,9 +33,7 @@ struct Layout {
 
 // The fused dispatch's int32 counters (dispatch_fused.cuh): ticket, front and
 // one count per 128-row tile.
-size_t dispatch_sync_bytes(const Problem& p) {
-  return (2 + static_cast<size_t>(p.row_capacity() / p.tile_rows)) * sizeof(int32_t);
-}
+int64_t dispatch_sync_words(const Problem& p) { return 2 + p.row_capacity() / p.tile_rows; }
 
 // nullptr or an error (bad knobs).
 const char* make_layout(const Problem& p, const MegakernelConfig& cfg, Layout* out) {
@@ -53,7 +51,7 @@ const char* make_layout(const Problem& p, const MegakernelConfig& cfg, Layout* o
   L.hist = take(static_cast<size_t>(detail::schedule_slots(p)) * E * sizeof(int32_t));
   L.counts = take(E * sizeof(int32_t));
   L.tile_expert = take(R / static_cast<size_t>(p.tile_rows) * sizeof(int32_t));
-  L.dispatch_sync = take(dispatch_sync_bytes(p));
+  L.dispatch_sync = take(static_cast<size_t>(dispatch_sync_words(p)) * sizeof(int32_t));
   L.xg = take(R * H * 2);
   if (L.persistent) {
     L.ring = take(static_cast<size_t>(L.plan.ring_rows) * H * 2);
@@ -155,7 +153,7 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
   //    which saves the graph a memset node)
   const bool fuse_dispatch = !L.persistent && detail::fused_dispatch_enabled(a.gate_pre != nullptr);
   int32_t* dispatch_sync = reinterpret_cast<int32_t*>(ws + L.dispatch_sync);
-  const int64_t sync_words = fuse_dispatch ? int64_t(dispatch_sync_bytes(p) / sizeof(int32_t)) : 0;
+  const int64_t sync_words = fuse_dispatch ? dispatch_sync_words(p) : 0;
   if (const char* e = detail::launch_schedule(p, a.topk_ids, a.token_mask, a.expert_offsets, a.row_pair, a.pair_row,
                                               hist, counts, tile_expert, flags, stream, 0, 0, dispatch_sync,
                                               sync_words))

@@ -12,7 +12,9 @@
 //   2. schedule_scan   : per expert, exclusive scan of hist over slots (in place);
 //                        counts[e] = total.
 //   3. schedule_offsets: padded exclusive scan over experts -> expert_offsets;
-//                        tile_expert[tile] = expert of each 128-row tile or -1.
+//                        tile_expert[tile] = expert of each 128-row tile or -1;
+//                        also zeroes the caller's zero_words (counters a later
+//                        kernel of the stream needs at zero: one memset node fewer).
 //   4. schedule_place  : pair_row[p], row_pair[row].
 #include <cuda_runtime.h>
 
@@ -117,8 +119,7 @@ __global__ void __launch_bounds__(kOffThreads) schedule_offsets(const int32_t* _
                                                                 int64_t R, int32_t* __restrict__ expert_offsets,
                                                                 int32_t* __restrict__ tile_expert,
                                                                 int32_t* __restrict__ zero_words, int64_t zero_count) {
-  // The caller's counters that must start at zero for a later kernel of this
-  // stream (the fused dispatch's): cleared here instead of by a memset node.
+  // zero_words: see the file comment (the fused dispatch's counters).
   for (int64_t i = threadIdx.x; i < zero_count; i += kOffThreads) zero_words[i] = 0;
   using Scan = cub::BlockScan<int32_t, kOffThreads>;
   __shared__ typename Scan::TempStorage tmp;
