@@ -105,7 +105,7 @@ bool token_major_dispatch() {
 
 }  // namespace
 
-bool fused_dispatch_enabled(bool keeps_residuals) {
+bool fused_dispatch_enabled(bool keeps_residuals, int64_t hidden) {
   // -1: unset (the default below), 0: the separate kernel, 1: fused.
   static const int forced = [] {
     const char* e = std::getenv("MOK_CUDA_FUSED_DISPATCH");
@@ -114,10 +114,15 @@ bool fused_dispatch_enabled(bool keeps_residuals) {
   }();
   // Default: fused only in the forward that keeps no residuals, where it
   // measured faster with the 8 MB window (twenty-fourth session, H100: -3.3 %
-  // at shape 1, -1.9 % at shape 2, level at shape 4). The training forward's
-  // ping-pong gate/up measured slower with it (twenty-third session), so the
+  // at shape 1, -1.9 % at shape 2, level at shape 4), and only up to
+  // kMaxFusedDispatchHidden: at H = 7168 (a 128-row tile of 1.8 MB) the copy
+  // slows the gate/up GEMM by more than the dispatch kernel costs (twenty-sixth
+  // session, H100, through JAX: 5.68 against 5.14 ms at shape 3). The training
+  // forward's ping-pong gate/up measured slower with it (twenty-third
+  // session), and the cooperative one level through JAX (twenty-sixth), so the
   // training forward keeps the separate kernel.
-  return forced >= 0 ? forced == 1 : !keeps_residuals;
+  if (forced >= 0) return forced == 1;
+  return !keeps_residuals && hidden <= kMaxFusedDispatchHidden;
 }
 
 int fused_dispatch_window_tiles(int64_t hidden) {

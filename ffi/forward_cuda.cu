@@ -151,7 +151,7 @@ const char* forward(const Problem& p, const ForwardArgs& a, void* workspace, cud
 
   // 1. schedule (its offsets kernel also zeroes the fused dispatch's counters,
   //    which saves the graph a memset node)
-  const bool fuse_dispatch = !L.persistent && detail::fused_dispatch_enabled(a.gate_pre != nullptr);
+  const bool fuse_dispatch = !L.persistent && detail::fused_dispatch_enabled(a.gate_pre != nullptr, p.hidden);
   int32_t* dispatch_sync = reinterpret_cast<int32_t*>(ws + L.dispatch_sync);
   const int64_t sync_words = fuse_dispatch ? dispatch_sync_words(p) : 0;
   if (const char* e = detail::launch_schedule(p, a.topk_ids, a.token_mask, a.expert_offsets, a.row_pair, a.pair_row,

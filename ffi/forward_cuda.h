@@ -62,9 +62,11 @@ const char* launch_dispatch(const Problem& pr, const void* x, const int32_t* row
                             const int32_t* expert_offsets, void* xg, int num_sms, cudaStream_t stream);
 // The staged forward copies the rows inside its gate/up GEMM (dispatch_fused.cuh)
 // instead of launch_dispatch: by default in the forward that keeps no residuals
-// (inference), where it measured faster; MOK_CUDA_FUSED_DISPATCH=1 fuses it in
-// every staged forward, =0 in none (read once per process).
-bool fused_dispatch_enabled(bool keeps_residuals);
+// (inference) with hidden <= kMaxFusedDispatchHidden, where it measured faster;
+// MOK_CUDA_FUSED_DISPATCH=1 fuses it in every staged forward, =0 in none (read
+// once per process).
+constexpr int64_t kMaxFusedDispatchHidden = 4096;
+bool fused_dispatch_enabled(bool keeps_residuals, int64_t hidden);
 // Its throttle window in 128-row tiles for rows of `hidden` bf16 elements (at
 // least 4): MOK_CUDA_FUSED_DISPATCH_WINDOW_MB of rows ahead of the GEMM's
 // front (0 = no throttle), default kDefaultFusedDispatchWindowMB. 8 MB beat no
