@@ -1,4 +1,5 @@
 import os
+import sys
 
 # 8 CPU devices for the shard_map tests; must be set before JAX initialises.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -27,7 +28,6 @@ def pytest_configure(config):
     # GPU host (where JAX's default backend is the GPU) it must still run on the
     # CPU devices. The GPU suite (`-m gpu`) keeps JAX's default platforms.
     if not USER_SET_JAX_PLATFORMS and not selects_gpu_tests(config.getoption("markexpr") or ""):
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        import sys
-        if "jax" in sys.modules:  # imported by a plugin already: backends start lazily
+        os.environ["JAX_PLATFORMS"] = "cpu"  # read when jax is imported
+        if "jax" in sys.modules:  # a plugin imported it first; its backends start lazily
             sys.modules["jax"].config.update("jax_platforms", "cpu")
